@@ -1,0 +1,134 @@
+"""Validated configuration dataclasses. A bad field raises ``ValueError`` naming it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
+
+_BACKENDS = ("gloo", "nccl")
+_DEVICES = ("cpu", "cuda")
+
+
+def _fail(cls: str, name: str, value: Any, why: str):
+    raise ValueError(f"{cls}.{name}={value!r}: {why}")
+
+
+@dataclass
+class EngineConfig:
+    master_host: str = "127.0.0.1"
+    """Address of the master rank's rendezvous (torch.distributed TCP store)."""
+    master_port: int = 0
+    """Port of the rendezvous; 0 picks a free port (single-node spawn mode only)."""
+    max_loaded: int = 1
+    """How many models may be resident on the devices at once (>= 1)."""
+    queue_size: int = 0
+    """Per-model bound on waiting requests; 0 means unbounded. Over it: QueueFullError."""
+    max_batch_size: int = 0
+    """Hint passed to batch managers that take one; 0 leaves it to the batch manager."""
+    backend: Optional[str] = None
+    """Data-plane backend: 'gloo' or 'nccl'; None picks nccl where CUDA exists, else gloo."""
+    device: Optional[str] = None
+    """'cpu' or 'cuda'; None picks cuda where CUDA exists, else cpu."""
+    log_dir: Optional[str] = None
+    """Where workers write their logs (worker_<rank>.log); None logs to stderr."""
+    prefetch: bool = True
+    """Queue the next model's load right behind the last batch of the model it replaces."""
+    overlap: bool = True
+    """Let a batch start on the first layers while later layers are still loading."""
+    paper_mode: bool = False
+    """Swap exactly as the paper did: per-tensor .to(), copy-back offload, no prefetch/overlap."""
+    start_timeout_s: float = 300.0
+    """How long LaunchEngine waits for every worker to build its models and report ready."""
+    death_timeout_s: float = 600.0
+    """torch.distributed timeout for collectives; also bounds a wait on a silent peer."""
+
+    def __post_init__(self):
+        c = "EngineConfig"
+        if not isinstance(self.master_host, str) or not self.master_host:
+            _fail(c, "master_host", self.master_host, "must be a non-empty host name")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            _fail(c, "master_port", self.master_port, "must be an int in 0..65535")
+        if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
+            _fail(c, "max_loaded", self.max_loaded, "must be an int >= 1")
+        if not isinstance(self.queue_size, int) or self.queue_size < 0:
+            _fail(c, "queue_size", self.queue_size, "must be an int >= 0 (0 = unbounded)")
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 0:
+            _fail(c, "max_batch_size", self.max_batch_size, "must be an int >= 0")
+        if self.backend is not None and self.backend not in _BACKENDS:
+            _fail(c, "backend", self.backend, f"must be one of {_BACKENDS} or None")
+        if self.device is not None and self.device not in _DEVICES:
+            _fail(c, "device", self.device, f"must be one of {_DEVICES} or None")
+        for name in ("start_timeout_s", "death_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                _fail(c, name, v, "must be a positive number of seconds")
+        if self.backend == "nccl" and self.device == "cpu":
+            _fail(c, "backend", self.backend, "nccl needs device='cuda'")
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "nccl" if self.resolved_device() == "cuda" else "gloo"
+
+
+@dataclass
+class ModelConfig:
+    model_id: str
+    """Name requests use to reach this model."""
+    model_fn: Callable[..., Any]
+    """Builds the full (unsharded) torch module on each rank; must be picklable (a module-level function)."""
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of model_fn."""
+    batch_manager: Any = None
+    """A BatchManager; None makes batches of one request."""
+    pipelinable: bool = True
+    """Kept for the paper's API: whether the model may be split into pipeline stages."""
+    tp_plan: Optional[Dict[str, Any]] = None
+    """A torch.distributed.tensor.parallel plan (module path -> ParallelStyle) for custom modules."""
+    mutable_buffers: Sequence[str] = ()
+    """Names of buffers a forward changes; only these are copied back on offload."""
+
+    def __post_init__(self):
+        c = "ModelConfig"
+        if not isinstance(self.model_id, str) or not self.model_id:
+            _fail(c, "model_id", self.model_id, "must be a non-empty string")
+        if not callable(self.model_fn):
+            _fail(c, "model_fn", self.model_fn, "must be callable")
+        if not isinstance(self.model_kwargs, dict):
+            _fail(c, "model_kwargs", self.model_kwargs, "must be a dict")
+        if self.batch_manager is not None:
+            for attr in ("make_batch", "split_batch"):
+                if not callable(getattr(self.batch_manager, attr, None)):
+                    _fail(c, "batch_manager", self.batch_manager, f"has no {attr}() method")
+        self.mutable_buffers = tuple(self.mutable_buffers)
+
+
+def check_model_configs(model_configs: Iterable[ModelConfig]) -> list:
+    configs = list(model_configs)
+    if not configs:
+        raise ValueError("model_configs: at least one ModelConfig is needed")
+    seen = set()
+    for mc in configs:
+        if not isinstance(mc, ModelConfig):
+            raise ValueError(f"model_configs: expected ModelConfig, got {type(mc).__name__}")
+        if mc.model_id in seen:
+            raise ValueError(f"model_configs: duplicate model_id {mc.model_id!r}")
+        seen.add(mc.model_id)
+    return configs
+
+
+def check_world(tp_world_size: int, pp_world_size: int, n_nodes: int, node_rank: int) -> None:
+    for name, v, lo in (("tp_world_size", tp_world_size, 1), ("pp_world_size", pp_world_size, 1),
+                        ("n_nodes", n_nodes, 1), ("node_rank", node_rank, 0)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"{name}={v!r}: must be an int >= {lo}")
+    if node_rank >= n_nodes:
+        raise ValueError(f"node_rank={node_rank}: must be < n_nodes={n_nodes}")
+    if (tp_world_size * pp_world_size) % n_nodes:
+        raise ValueError(f"tp_world_size*pp_world_size={tp_world_size * pp_world_size} "
+                         f"must be divisible by n_nodes={n_nodes}")

@@ -1,0 +1,48 @@
+"""Errors a caller of the engine can see.
+
+Two tiers: per-request errors (the engine keeps serving) derive from
+``RequestError``; ``EngineDeadError`` means the engine cannot serve anything
+any more. ``LaunchError`` is raised by ``LaunchEngine`` when a worker fails to
+start.
+"""
+
+
+class ComputronError(Exception):
+    """Base class of every error raised by computron."""
+
+
+class RequestError(ComputronError):
+    """One request failed; the engine keeps serving the others."""
+
+
+class UnknownModelError(RequestError, KeyError):
+    def __init__(self, model_id, known):
+        self.model_id = model_id
+        super().__init__(f"unknown model id {model_id!r}; served models: {sorted(known)}")
+
+    def __str__(self):  # KeyError would quote the message
+        return self.args[0]
+
+
+class PayloadError(RequestError, ValueError):
+    """The batch manager rejected a request's data."""
+
+
+class QueueFullError(RequestError):
+    """The model's queue already holds ``queue_size`` requests."""
+
+
+class RequestTimeoutError(RequestError, TimeoutError):
+    """The request did not complete within the time the caller allowed."""
+
+
+class WorkerError(RequestError):
+    """A worker raised while running this request's batch; carries the worker's message."""
+
+
+class EngineDeadError(ComputronError):
+    """A worker died or the engine was shut down: no request can be served."""
+
+
+class LaunchError(ComputronError):
+    """A worker failed to start; the message holds its traceback."""

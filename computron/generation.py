@@ -1,0 +1,135 @@
+"""Batching generation requests for causal LMs (the paper's OPT request format).
+
+A request is a dict: ``input_ids`` (a list of ints or a 1-D tensor; required),
+optional ``attention_mask`` of the same length, ``max_tokens`` (new tokens,
+default 16), and sampling parameters ``top_k``, ``top_p``, ``temperature``
+(all absent, or ``temperature`` 0, means greedy) and ``seed``. Requests with
+the same sampling parameters are batched together, left-padded to the longest
+prompt; each answer is cut to its own ``max_tokens`` and after its first EOS.
+The answer is a 1-D LongTensor of the new token ids.
+"""
+from __future__ import annotations
+
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from .batch import BatchManager, SubmitEntry, TaskEntry
+
+_SAMPLING = ("top_k", "top_p", "temperature", "seed")
+
+
+def _ids(data: Dict[str, Any], key: str) -> List[int]:
+    v = data[key]
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 2 and v.shape[0] == 1:
+            v = v[0]
+        if v.dim() != 1 or v.dtype.is_floating_point:
+            raise ValueError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}")
+        return v.tolist()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"{key} must be a list of ints or a 1-D integer tensor")
+    return list(v)
+
+
+class OPTBatchManager(BatchManager):
+    def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Optional[int] = 2,
+                 vocab_size: Optional[int] = None, max_positions: Optional[int] = None,
+                 default_max_tokens: int = 16, max_tokens_limit: int = 4096):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
+
+    @classmethod
+    def for_config(cls, hf_config, max_batch_size: int = 8, **kw) -> "OPTBatchManager":
+        """Pad/EOS ids, vocabulary size and position limit taken from a transformers config."""
+        pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
+        return cls(max_batch_size=max_batch_size, pad_token_id=pad, eos_token_id=hf_config.eos_token_id,
+                   vocab_size=hf_config.vocab_size,
+                   max_positions=getattr(hf_config, "max_position_embeddings", None), **kw)
+
+    # ---- checks at submit time -----------------------------------------------
+    def validate(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise TypeError(f"a generation request is a dict with 'input_ids', got {type(data).__name__}")
+        unknown = set(data) - {"input_ids", "attention_mask", "max_tokens", *_SAMPLING}
+        if unknown:
+            raise ValueError(f"unknown request fields {sorted(unknown)}")
+        if "input_ids" not in data:
+            raise ValueError("'input_ids' is required")
+        ids = _ids(data, "input_ids")
+        if not ids:
+            raise ValueError("input_ids is empty")
+        if min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} max {max(ids)}")
+        if "attention_mask" in data:
+            mask = _ids(data, "attention_mask")
+            if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+                raise ValueError("attention_mask must be 0/1 values of the same length as input_ids")
+        n = data.get("max_tokens", self.default_max_tokens)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_tokens_limit:
+            raise ValueError(f"max_tokens={n!r}: must be an int in 1..{self.max_tokens_limit}")
+        if self.max_positions is not None and len(ids) + n > self.max_positions:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={n} exceeds the model's "
+                             f"{self.max_positions} positions")
+        k = data.get("top_k")
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise ValueError(f"top_k={k!r}: must be an int >= 0")
+        p = data.get("top_p")
+        if p is not None and (not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ValueError(f"top_p={p!r}: must be in (0, 1]")
+        t = data.get("temperature")
+        if t is not None and (not isinstance(t, (int, float)) or t < 0):
+            raise ValueError(f"temperature={t!r}: must be >= 0")
+
+    # ---- batching ------------------------------------------------------------
+    @staticmethod
+    def _key(data: Dict[str, Any]) -> Tuple:
+        return tuple(data.get(k) for k in _SAMPLING)
+
+    def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
+        head = q.popleft()
+        self.validate(head.data)
+        key = self._key(head.data)
+        taken = [head]
+        for entry in list(q):
+            if len(taken) >= self.max_batch_size:
+                break
+            if self._key(entry.data) == key:
+                q.remove(entry)
+                taken.append(entry)
+        prompts = [_ids(e.data, "input_ids") for e in taken]
+        masks = [_ids(e.data, "attention_mask") if "attention_mask" in e.data else [1] * len(p)
+                 for e, p in zip(taken, prompts)]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(taken), width), self.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(taken), width), dtype=torch.int64)
+        for i, (p, m) in enumerate(zip(prompts, masks)):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64)
+            mask[i, width - len(m):] = torch.tensor(m, dtype=torch.int64)
+        max_tokens = [int(e.data.get("max_tokens", self.default_max_tokens)) for e in taken]
+        batch = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": max(max_tokens),
+                 "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+        batch.update({k: v for k, v in zip(_SAMPLING, key) if v is not None})
+        return TaskEntry(tuple(e.uid for e in taken), batch), {"max_tokens": max_tokens}
+
+    def split_batch(self, task_entry: TaskEntry, max_tokens: List[int] = (), **_) -> List[Tuple[Any, Any]]:
+        out = task_entry.batch
+        results = []
+        for i, uid in enumerate(task_entry.uids):
+            toks = out[i, :max_tokens[i]] if max_tokens else out[i]
+            if self.eos_token_id is not None:
+                hits = (toks == self.eos_token_id).nonzero()
+                if len(hits):
+                    toks = toks[:int(hits[0]) + 1]
+            results.append((uid, toks.clone()))
+        return results
+
+
+CausalLMBatchManager = OPTBatchManager

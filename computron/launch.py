@@ -1,0 +1,396 @@
+"""Starting the engine: spawn mode (we start the workers) and attach mode (torchrun started us).
+
+Spawn mode: the calling process becomes the master, one extra rank after the
+``tp * pp`` workers, which it starts with the ``spawn`` method. Each worker
+reports ready or its start-up traceback over a pipe; the master waits on those
+pipes and on the processes' sentinels together, so a worker that dies during
+start-up fails the launch at once. Workers die with the master (a watcher
+thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
+
+Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``):
+global rank 0 hosts the master next to worker 0 and returns the engine; the
+other ranks serve until shutdown and return None.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import messages as msg
+from .config import EngineConfig, ModelConfig, check_model_configs, check_world
+from .engine import Engine
+from .errors import LaunchError
+from .topology import Groups, Layout
+from .transport import MasterChannel, WorkerChannel
+from .worker import Worker
+
+log = logging.getLogger("computron.launch")
+
+
+def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], tp_world_size: int = 1,
+                 pp_world_size: int = 1, n_nodes: int = 1, node_rank: int = 0) -> Optional[Engine]:
+    """Start serving ``model_configs``, each split over ``tp_world_size * pp_world_size`` workers.
+
+    Returns the ``Engine`` where the master lives (node 0 / global rank 0), None elsewhere.
+    """
+    if not isinstance(engine_config, EngineConfig):
+        raise ValueError(f"engine_config: expected EngineConfig, got {type(engine_config).__name__}")
+    configs = check_model_configs(model_configs)
+    check_world(tp_world_size, pp_world_size, n_nodes, node_rank)
+    if mp.current_process().name.startswith("computron-worker"):
+        raise RuntimeError("LaunchEngine ran again inside a worker process, which imports the main module: "
+                           "call it under `if __name__ == '__main__':`")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _attach(engine_config, configs, tp_world_size, pp_world_size)
+    return _spawn(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
+
+
+launch_computron = LaunchEngine
+
+
+# ---- helpers ----------------------------------------------------------------
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _device_for(config: EngineConfig, local_rank: int, local_world: int) -> torch.device:
+    if config.resolved_device() == "cpu":
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    if n < local_world:
+        raise RuntimeError(f"{local_world} workers on this node need as many GPUs; found {n}")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _setup_logging(config: EngineConfig, rank: int) -> None:
+    fmt = f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s"
+    if config.log_dir:
+        os.makedirs(config.log_dir, exist_ok=True)
+        handler = logging.FileHandler(os.path.join(config.log_dir, f"worker_{rank}.log"))
+        handler.setFormatter(logging.Formatter(fmt))
+        root = logging.getLogger("computron")
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+    else:
+        logging.basicConfig(level=logging.WARNING, format=fmt)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        mpc.wait([parent.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, name="computron-parent-watch", daemon=True).start()
+
+
+def _threads_per_worker(local_world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
+# ---- spawn mode ---------------------------------------------------------------
+
+def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
+                 model_configs: List[ModelConfig], addr: str, port: int, status) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the master decides when we stop
+    _die_with_parent()
+    _setup_logging(config, rank)
+    torch.set_num_threads(_threads_per_worker(local_world))
+    try:
+        device = _device_for(config, local_rank, local_world)
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=layout.world_size, timeout=timedelta(seconds=config.death_timeout_s))
+        groups = Groups(layout, rank, config.resolved_backend())
+        channel = WorkerChannel(groups)
+        worker = Worker(rank, groups, channel, model_configs, config, device)
+        worker.build()
+    except BaseException:  # noqa: BLE001 - the master raises it as LaunchError
+        status.send(("error", traceback.format_exc()))
+        status.close()
+        os._exit(1)
+    status.send(("ready", worker.ready_message()))
+    status.close()
+    worker.serve()
+    channel.reply(msg.Bye(rank))
+    dist.destroy_process_group()
+
+
+class _SpawnedWorkers:
+    """The worker processes of this node, and the one way to stop them."""
+
+    def __init__(self, procs: List[mp.Process], first_rank: int):
+        self.procs = procs
+        self.first_rank = first_rank
+
+    def sentinels(self):
+        return [p.sentinel for p in self.procs]
+
+    def stop(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def monitor(self, on_exit) -> None:
+        def watch():
+            ready = mpc.wait(self.sentinels())
+            for p in self.procs:
+                if p.sentinel in ready:
+                    on_exit(self.first_rank + self.procs.index(p), p.exitcode)
+                    return
+        threading.Thread(target=watch, name="computron-worker-watch", daemon=True).start()
+
+
+def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_rank: int) -> Optional[Engine]:
+    if n_nodes > 1 and config.master_port == 0:
+        raise ValueError("EngineConfig.master_port=0: several nodes need a fixed rendezvous port")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process; LaunchEngine's spawn "
+                           "mode starts its own process group (shut the previous engine down first)")
+    layout = Layout(tp=tp, pp=pp, master_rank=tp * pp, master_is_worker=False)
+    addr = config.master_host
+    port = config.master_port or _free_port(addr)
+    local_world = layout.n_workers // n_nodes
+    first = node_rank * local_world
+    ctx = mp.get_context("spawn")
+    procs, status = [], []
+    for i in range(local_world):
+        recv_end, send_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker_main, name=f"computron-worker-{first + i}",
+                        args=(first + i, i, local_world, layout, config, configs, addr, port, send_end),
+                        daemon=True)
+        p.start()
+        send_end.close()
+        procs.append(p)
+        status.append(recv_end)
+    workers = _SpawnedWorkers(procs, first)
+    if node_rank != 0:  # this node only hosts workers
+        try:
+            _await_ready(workers, status, None, config.start_timeout_s)
+            mpc.wait(workers.sentinels())
+        finally:
+            workers.stop(grace_s=30)
+        return None
+
+    init_done = threading.Event()
+    init = {}
+
+    def init_master():
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=layout.master_rank,
+                                    world_size=layout.world_size,
+                                    timeout=timedelta(seconds=config.death_timeout_s))
+            init["groups"] = Groups(layout, layout.master_rank, config.resolved_backend())
+        except BaseException as exc:  # noqa: BLE001
+            init["error"] = exc
+        finally:
+            init_done.set()
+            wake_send.send(b"")
+
+    wake_recv, wake_send = ctx.Pipe(duplex=False)
+    threading.Thread(target=init_master, name="computron-rendezvous", daemon=True).start()
+    try:
+        ready = _await_ready(workers, status, wake_recv, config.start_timeout_s, init)
+        if not init_done.wait(config.start_timeout_s):
+            raise LaunchError("the master could not join the workers' process group in time")
+        if "error" in init:
+            raise LaunchError(f"the master could not join the process group: {init['error']}")
+    except BaseException:
+        workers.stop(grace_s=0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+    engine_box = {}
+    channel = MasterChannel(init["groups"], on_reply=lambda r: engine_box["e"].on_reply(r),
+                            on_transport_error=lambda e: engine_box["e"].on_transport_error(e))
+
+    def on_close(dead: bool):
+        if dead:
+            channel.abandon()
+            workers.stop(grace_s=0)
+            clean = False
+        else:
+            channel.send(msg.Shutdown())
+            clean = channel.close(timeout=30)
+            workers.stop(grace_s=30)
+        if clean and dist.is_initialized():
+            dist.destroy_process_group()
+        elif dist.is_initialized():
+            _destroy_in_background()
+
+    engine = Engine(config, configs, layout, channel, on_close=on_close)
+    engine.workers = {r.rank: r for r in ready}
+    engine_box["e"] = engine
+    channel.start()
+    workers.monitor(engine.on_worker_exit)
+    _install_exit_hooks(engine)
+    return engine
+
+
+def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=None) -> List[msg.WorkerReady]:
+    """Wait for every worker's ready message; raise LaunchError on the first failure or death.
+
+    A worker that dies closes its end of the status pipe, which wakes the wait
+    with EOF; ``wake`` fires when the master's own rendezvous ends.
+    """
+    deadline = time.monotonic() + timeout
+    pending = dict(zip(status, workers.procs))
+    ready = []
+    while pending:
+        left = deadline - time.monotonic()
+        waitables = list(pending) + ([wake] if wake is not None else [])
+        got = mpc.wait(waitables, timeout=max(0.0, left))
+        if not got:
+            raise LaunchError(f"{len(pending)} worker(s) did not report ready within {timeout:.0f}s "
+                              "(EngineConfig.start_timeout_s)")
+        for obj in got:
+            if obj is wake:
+                wake = None
+                if init is not None and "error" in init:
+                    raise LaunchError(f"the master could not join the process group: {init['error']}")
+                continue
+            proc = pending.pop(obj)
+            try:
+                kind, payload = obj.recv()
+            except EOFError:
+                proc.join(5)
+                raise LaunchError(f"{proc.name} exited during start-up (exit code {proc.exitcode})") from None
+            if kind == "error":
+                raise LaunchError(f"{proc.name} failed to start:\n{payload}")
+            ready.append(payload)
+    return ready
+
+
+def _destroy_in_background() -> None:
+    """A thread may still sit in a receive from a dead peer: don't let that block the caller."""
+    t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    t.start()
+    t.join(10)
+
+
+def _install_exit_hooks(engine: Engine) -> None:
+    atexit.register(engine.close)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        engine.close()
+        if callable(previous):
+            previous(signum, frame)
+        raise SystemExit(128 + signum)
+    if previous in (signal.SIG_DFL, None) or callable(previous):
+        signal.signal(signal.SIGTERM, on_term)
+
+
+# ---- attach mode --------------------------------------------------------------
+
+def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world != tp * pp:
+        raise ValueError(f"WORLD_SIZE={world} from the launcher, but tp_world_size*pp_world_size={tp * pp}")
+    _setup_logging(config, rank)
+    torch.set_num_threads(_threads_per_worker(local_world))
+    device = _device_for(config, local_rank, local_world)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=config.death_timeout_s))
+    layout = Layout(tp=tp, pp=pp, master_rank=0, master_is_worker=True)
+    groups = Groups(layout, rank, config.resolved_backend())
+    if rank != 0:
+        channel = WorkerChannel(groups)
+        worker = Worker(rank, groups, channel, configs, config, device)
+        try:
+            worker.build()
+        except Exception:  # noqa: BLE001 - rank 0 raises it; we wait for its shutdown
+            channel.reply(msg.WorkerStartFailed(rank, traceback.format_exc()))
+        else:
+            channel.reply(worker.ready_message())
+        worker.serve()
+        channel.reply(msg.Bye(rank))
+        dist.destroy_process_group()
+        return None
+
+    startup = {"ready": [], "failed": []}
+    started = threading.Event()
+    engine_box = {}
+
+    def route(reply):
+        if isinstance(reply, msg.WorkerReady):
+            startup["ready"].append(reply)
+        elif isinstance(reply, msg.WorkerStartFailed):
+            startup["failed"].append(reply)
+        else:
+            engine_box["e"].on_reply(reply)
+            return
+        if len(startup["ready"]) + len(startup["failed"]) == layout.n_workers - 1:
+            started.set()
+
+    channel = MasterChannel(groups, on_reply=route,
+                            on_transport_error=lambda e: engine_box["e"].on_transport_error(e)
+                            if "e" in engine_box else None)
+    channel.start()
+    worker = Worker(0, groups, WorkerChannel(groups, master=channel), configs, config, device)
+    own_error = None
+    try:
+        worker.build()
+    except Exception:  # noqa: BLE001
+        own_error = traceback.format_exc()
+    serve_thread = threading.Thread(target=worker.serve, name="computron-worker-0", daemon=True)
+    serve_thread.start()
+    if layout.n_workers > 1 and not started.wait(config.start_timeout_s):
+        own_error = own_error or f"workers did not report ready within {config.start_timeout_s}s"
+    if own_error or startup["failed"]:
+        why = own_error or "\n".join(f"rank {f.rank}:\n{f.error}" for f in startup["failed"])
+        channel.send(msg.Shutdown())
+        channel.close(timeout=30)
+        dist.destroy_process_group()
+        raise LaunchError(f"a worker failed to start:\n{why}")
+
+    def on_close(dead: bool):
+        channel.send(msg.Shutdown())
+        clean = channel.close(timeout=30)
+        serve_thread.join(30)
+        if clean:
+            dist.destroy_process_group()
+
+    engine = Engine(config, configs, layout, channel, on_close=on_close)
+    engine.workers = {r.rank: r for r in startup["ready"] + [worker.ready_message()]}
+    engine_box["e"] = engine
+    _install_exit_hooks(engine)
+    return engine

@@ -1,0 +1,63 @@
+"""Structured records of everything the engine did, for experiments and benchmarks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    kind: str  # "load" or "offload"
+    model_id: str
+    start: float  # master clock (time.perf_counter) when the command was sent
+    end: float  # master clock when the last rank reported
+    rank_times: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    """Per rank (start, end) on that rank's clock; on one host the clocks agree."""
+    nbytes: int = 0
+    """Bytes moved per rank summed over ranks (load only)."""
+    device_bytes: Dict[int, int] = field(default_factory=dict)
+    """Per rank, bytes held on its device right after the command."""
+    error: Optional[str] = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def rank_durations(self) -> Dict[int, float]:
+        return {r: b - a for r, (a, b) in self.rank_times.items()}
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    model_id: str
+    start: float
+    end: float
+    batch_size: int
+    uids: Tuple[int, ...]
+    rank_times: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    error: Optional[str] = None
+    kind: str = "batch"
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def rank_durations(self) -> Dict[int, float]:
+        return {r: b - a for r, (a, b) in self.rank_times.items()}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    uid: int
+    model_id: str
+    submitted: float
+    finished: float
+    batch_uid: Optional[int] = None
+    error: Optional[str] = None
+    kind: str = "request"
+
+    @property
+    def latency(self) -> float:
+        return self.finished - self.submitted

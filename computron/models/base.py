@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+
+
+def uniform_split(n_items: int, parts: int) -> List[range]:
+    """Split ``n_items`` into ``parts`` contiguous ranges whose sizes differ by at most one."""
+    if parts > n_items:
+        raise ValueError(f"cannot split {n_items} layers into {parts} pipeline stages")
+    base, extra = divmod(n_items, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclass
+class StageContext:
+    """What a runner needs to know about its rank."""
+    groups: Any  # topology.Groups
+    device: torch.device
+    model_id: str = ""
+
+    @property
+    def layout(self):
+        return self.groups.layout
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def stage(self) -> int:
+        return self.groups.stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.groups.rank == self.layout.output_rank
+
+    def tp_mesh(self):
+        from torch.distributed.device_mesh import DeviceMesh
+        return DeviceMesh.from_group(self.groups.tp_group, self.device.type)
+
+
+class StageRunner:
+    """This rank's part of one model: the module whose tensors the store holds, and how to run it."""
+
+    module: nn.Module
+    segments: List[nn.Module]
+
+    def run(self, batch: Any) -> Optional[Any]:
+        """Run one batch; return the output on the output rank, None on the others."""
+        raise NotImplementedError
+
+
+def parallelize(module: nn.Module, plan: dict, ctx: StageContext) -> None:
+    if ctx.tp == 1 or not plan:
+        return
+    from torch.distributed.tensor.parallel import parallelize_module
+    parallelize_module(module, ctx.tp_mesh(), plan)

@@ -1,0 +1,190 @@
+"""Generation for transformers causal LMs (OPT and Llama families), split by TP and PP.
+
+Each rank keeps the transformers model object with only its stage's decoder
+layers, and calls the model's own decoder forward on them: stage 0 with token
+ids, later stages with the previous stage's hidden states as
+``inputs_embeds`` (OPT's positional embedding is added on stage 0 only). Layer
+indices are renumbered per stage, so each stage's KV cache is its own. The last
+stage picks the next tokens and broadcasts them to every rank, which keeps all
+ranks in lock step and lets them stop together.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+from .. import p2p
+from .base import StageContext, StageRunner, parallelize, uniform_split
+
+
+def causal_lm_family(module) -> Optional[str]:
+    inner = getattr(module, "model", None)
+    if inner is None or not hasattr(module, "lm_head"):
+        return None
+    if hasattr(inner, "decoder") and hasattr(inner.decoder, "layers"):
+        return "opt"
+    if hasattr(inner, "layers") and hasattr(inner, "norm") and hasattr(inner, "embed_tokens"):
+        return "llama"
+    return None
+
+
+def _tp_plan(family: str) -> Dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if family == "opt":
+        col = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"]
+        row = ["self_attn.out_proj", "fc2"]
+    else:
+        col = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
+        row = ["self_attn.o_proj", "mlp.down_proj"]
+    plan = {n: ColwiseParallel() for n in col}
+    plan.update({n: RowwiseParallel() for n in row})
+    return plan
+
+
+class _NoPositions(nn.Module):
+    """Stands in for OPT's positional embedding after stage 0, where it was already added."""
+
+    def forward(self, *args, **kwargs):
+        return torch.zeros((), dtype=torch.float32)
+
+
+def _check_tp(config, family: str, tp: int, model_id: str) -> None:
+    fields = ["num_attention_heads", "ffn_dim" if family == "opt" else "intermediate_size"]
+    if family == "llama":
+        fields.append("num_key_value_heads")
+    for f in fields:
+        v = getattr(config, f, None)
+        if v is not None and v % tp:
+            raise ValueError(f"model {model_id!r}: config.{f}={v} is not divisible by tp_world_size={tp}")
+
+
+class CausalLMRunner(StageRunner):
+    def __init__(self, model, model_config, ctx: StageContext):
+        self.ctx = ctx
+        self.family = causal_lm_family(model)
+        self.config = model.config
+        base = model.model.decoder if self.family == "opt" else model.model
+        layers = list(base.layers)
+        part = uniform_split(len(layers), ctx.pp)[ctx.stage]
+        base.layers = nn.ModuleList([layers[i] for i in part])
+        for local_idx, layer in enumerate(base.layers):
+            layer.self_attn.layer_idx = local_idx
+        if not ctx.is_first:
+            base.embed_tokens = None
+            if self.family == "opt":
+                base.embed_positions = _NoPositions()
+                base.project_in = None
+        if not ctx.is_last:
+            model.lm_head = None
+            if self.family == "opt":
+                base.final_layer_norm = None
+                base.project_out = None
+            else:
+                base.norm = nn.Identity()
+        if ctx.tp > 1:
+            _check_tp(self.config, self.family, ctx.tp, ctx.model_id)
+            plan = _tp_plan(self.family)
+            for layer in base.layers:
+                parallelize(layer, plan, ctx)
+                if self.family == "opt":  # OPT reshapes with the head count, not -1
+                    layer.self_attn.num_heads //= ctx.tp
+                    layer.self_attn.embed_dim //= ctx.tp
+        self.model = model
+        self.base = base
+        self.module = model
+        prefix = [m for m in (getattr(base, "embed_tokens", None),) if m is not None]
+        suffix = [m for m in (getattr(model, "lm_head", None),) if m is not None]
+        self.segments = prefix + list(base.layers) + suffix
+        params = inspect.signature(base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- one forward of this stage ------------------------------------------
+    def _stage_forward(self, x, attention_mask, position_ids, cache):
+        kwargs = {"attention_mask": attention_mask, self._cache_kw: cache, "use_cache": True}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if self.ctx.is_first:
+            kwargs["input_ids"] = x
+        else:
+            kwargs["inputs_embeds"] = x
+        hidden = self.base(**kwargs).last_hidden_state
+        if not self.ctx.is_last:
+            return hidden
+        return self.model.lm_head(hidden[:, -1, :]).float()
+
+    def _positions(self, attention_mask: torch.Tensor, new: int) -> Optional[torch.Tensor]:
+        if self.family == "opt":
+            return None  # OPT derives positions from the attention mask itself
+        pos = attention_mask.long().cumsum(-1) - 1
+        pos = pos.masked_fill(attention_mask == 0, 1)
+        return pos[:, -new:]
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, batch: Dict[str, Any], gen: Optional[torch.Generator]) -> torch.Tensor:
+        temperature = batch.get("temperature")
+        top_k = batch.get("top_k")
+        top_p = batch.get("top_p")
+        if not temperature or (top_k == 1):
+            return logits.argmax(-1)
+        logits = logits / float(temperature)
+        if top_k:
+            kth = torch.topk(logits, min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p is not None and top_p < 1.0:
+            sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs > float(top_p)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+        probs = logits.softmax(-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+    def run(self, batch: Dict[str, Any]) -> Optional[torch.Tensor]:
+        from transformers import DynamicCache
+        ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
+        ids = batch["input_ids"].to(dev)
+        mask = batch["attention_mask"].to(dev)
+        bsz = ids.shape[0]
+        max_new = int(batch["max_new_tokens"])
+        eos = batch.get("eos_token_id")
+        pad = batch.get("pad_token_id", 0) or 0
+        gen = None
+        if ctx.is_output_rank and batch.get("temperature"):
+            gen = torch.Generator(device="cpu").manual_seed(int(batch.get("seed", 0)))
+        cache = DynamicCache()
+        finished = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        out = []
+        cur = ids
+        for _ in range(max_new):
+            ok, err = True, None
+            tokens = torch.empty(bsz, dtype=torch.int64, device=dev)
+            try:
+                x = cur if ctx.is_first else p2p.recv_tensor(g.prev_rank(), g.data, dev)
+                y = self._stage_forward(x, mask, self._positions(mask, cur.shape[1]), cache)
+                if not ctx.is_last:
+                    p2p.send_tensor(y, g.next_rank(), g.data, dev)
+                elif ctx.is_output_rank:
+                    tokens.copy_(self._pick(y.cpu(), batch, gen).to(dev))
+            except Exception as exc:  # noqa: BLE001 - every rank must leave this step together
+                ok, err = False, exc
+                if not ctx.is_last:
+                    p2p.send_tensor(None, g.next_rank(), g.data, dev)
+            if not p2p.broadcast_status_and(tokens, ok or not ctx.is_output_rank,
+                                            g.layout.output_rank, g.data):
+                raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
+            if err is not None:
+                raise err
+            if eos is not None:
+                tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
+                finished |= tokens == eos
+            out.append(tokens)
+            cur = tokens[:, None]
+            mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=1)
+            if eos is not None and bool(finished.all()):
+                break
+        if not ctx.is_output_rank:
+            return None
+        return torch.stack(out, dim=1).cpu() if out else torch.empty(bsz, 0, dtype=torch.int64)

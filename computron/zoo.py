@@ -1,0 +1,118 @@
+"""Model shapes by name and hub-free model building.
+
+Nothing here downloads: shapes of the published OPT sizes are written out,
+weights are random (seeded), and checkpoints are written with
+``save_pretrained`` and read back with ``from_pretrained`` from a local
+directory, the same code path a user's own checkpoint takes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+# name: (hidden, layers, ffn, heads)
+OPT_SHAPES = {
+    "opt-tiny": (64, 4, 128, 4),
+    "opt-small": (256, 8, 1024, 8),
+    "opt-125m": (768, 12, 3072, 12),
+    "opt-350m": (1024, 24, 4096, 16),
+    "opt-1.3b": (2048, 24, 8192, 32),
+    "opt-2.7b": (2560, 32, 10240, 32),
+    "opt-6.7b": (4096, 32, 16384, 32),
+    "opt-13b": (5120, 40, 20480, 40),
+    "opt-30b": (7168, 48, 28672, 56),
+}
+LLAMA_SHAPES = {
+    "llama-tiny": (64, 4, 128, 4, 2),
+    "llama-small": (256, 8, 688, 8, 4),
+}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def model_names():
+    return sorted(OPT_SHAPES) + sorted(LLAMA_SHAPES)
+
+
+def hf_config(name: str, vocab_size: Optional[int] = None, max_positions: int = 2048):
+    """A transformers config with the shape of ``name``."""
+    if name in OPT_SHAPES:
+        from transformers import OPTConfig
+        h, n, f, a = OPT_SHAPES[name]
+        vocab = vocab_size or (512 if name in ("opt-tiny", "opt-small") else 50272)
+        return OPTConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=n, ffn_dim=f,
+                         num_attention_heads=a, word_embed_proj_dim=h, max_position_embeddings=max_positions,
+                         pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    if name in LLAMA_SHAPES:
+        from transformers import LlamaConfig
+        h, n, f, a, kv = LLAMA_SHAPES[name]
+        return LlamaConfig(vocab_size=vocab_size or 512, hidden_size=h, num_hidden_layers=n, intermediate_size=f,
+                           num_attention_heads=a, num_key_value_heads=kv, max_position_embeddings=max_positions,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    raise ValueError(f"unknown model name {name!r}; known: {model_names()}")
+
+
+def random_causal_lm(name: str, seed: int = 0, dtype: str = "float32", fast_init: bool = False, **cfg):
+    """A causal LM of shape ``name`` with seeded random weights.
+
+    ``fast_init`` skips transformers' per-layer initialisation and fills the
+    weights with a scaled normal draw, for large shapes where only timing matters.
+    """
+    from transformers import AutoModelForCausalLM
+    config = hf_config(name, **cfg)
+    torch.manual_seed(seed)
+    if not fast_init:
+        model = AutoModelForCausalLM.from_config(config)
+        return model.to(_DTYPES[dtype]).eval()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device="cpu").to(_DTYPES[dtype])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+        for b in model.buffers():  # e.g. rotary inv_freq: recompute from the config
+            pass
+    if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+        model.model.rotary_emb.__init__(config=config)
+    return model.eval()
+
+
+def save_random_causal_lm(name: str, path: str, seed: int = 0, dtype: str = "float32", **cfg) -> str:
+    """Write a seeded random checkpoint of shape ``name`` to ``path`` (safetensors) and return ``path``."""
+    model = random_causal_lm(name, seed=seed, dtype=dtype, **cfg)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def load_causal_lm(path: str, dtype: Optional[str] = None):
+    """Load a local checkpoint directory (never the hub). The ``model_fn`` of the examples."""
+    from transformers import AutoModelForCausalLM
+    kwargs = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = _DTYPES[dtype]
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def mlp(sizes=(64, 256, 64), seed: int = 0, dtype: str = "float32") -> torch.nn.Sequential:
+    """Linear/ReLU stack: the MLP example and the simplest model to shard."""
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers).to(_DTYPES[dtype]).eval()
+
+
+class Echo(torch.nn.Module):
+    """Returns its input: isolates the engine's own overhead."""
+
+    def forward(self, x):
+        return x
+
+
+def echo() -> Echo:
+    return Echo()
