@@ -18,7 +18,9 @@ Rules:
   used one whose queue is empty gets its offload queued right behind its last
   batch and the waiting model's load right behind that, saving a round trip;
 - with ``overlap``, a batch may be sent to a model that is still loading
-  (the worker starts each layer once its weights have arrived).
+  (the worker starts each layer once its weights have arrived), but only
+  while no other model is resident: workers run batches in command order, so
+  such a batch would hold up other models' batches until the load ends.
 """
 from __future__ import annotations
 
@@ -90,7 +92,11 @@ class Scheduler:
         s = self.states[m]
         if m in self._offload_queued:
             return False
-        return s is ModelState.LOADED or (self.overlap and s is ModelState.LOADING)
+        return s is ModelState.LOADED or (s is ModelState.LOADING and self._may_overlap(m))
+
+    def _may_overlap(self, m: str) -> bool:
+        """A batch may follow ``m``'s load directly only if no other model is (staying) resident."""
+        return self.overlap and all(v == m or v in self._offload_queued for v in self.resident())
 
     def _lru(self, candidates: List[str]) -> Optional[str]:
         return min(candidates, key=lambda m: self._last_used[m]) if candidates else None
@@ -113,10 +119,14 @@ class Scheduler:
                 continue
             if state is not ModelState.OFFLOADED or waiting_for_slot:
                 continue
-            if m in self._slot_promised.values():
+            promised = [v for v, w in self._slot_promised.items() if w == m]
+            if promised and self._slots_used() >= self.max_loaded:
                 waiting_for_slot = True
                 continue
             if self._slots_used() < self.max_loaded:
+                # a slot is free (another model left): take it rather than wait for the victim
+                for v in promised:
+                    del self._slot_promised[v]
                 actions.extend(self._start_load(m, heads))
                 continue
             idle = [v for v in self.model_ids if self.states[v] is ModelState.LOADED
@@ -135,10 +145,7 @@ class Scheduler:
                 if victim is not None:
                     self._offload_queued.add(victim)
                     actions.append(Action(ActionKind.OFFLOAD, victim))
-                    self.states[m] = ModelState.LOADING
-                    actions.append(Action(ActionKind.LOAD, m))
-                    if self.overlap:
-                        actions.extend(self._maybe_run(m))
+                    actions.extend(self._start_load(m, heads))
                     continue
             waiting_for_slot = True
         return actions
@@ -146,14 +153,11 @@ class Scheduler:
     def _start_load(self, m: str, heads: Mapping[str, float]) -> List[Action]:
         self.states[m] = ModelState.LOADING
         out = [Action(ActionKind.LOAD, m)]
-        if self.overlap and m in heads:
-            out.extend(self._maybe_run(m))
+        if m in heads and self._may_overlap(m):
+            self.inflight[m] += 1
+            self._touch(m)
+            out.append(Action(ActionKind.RUN, m))
         return out
-
-    def _maybe_run(self, m: str) -> List[Action]:
-        self.inflight[m] += 1
-        self._touch(m)
-        return [Action(ActionKind.RUN, m)]
 
     # ---- events --------------------------------------------------------------
     def _expect(self, m: str, *states: ModelState) -> None:
@@ -169,10 +173,13 @@ class Scheduler:
     def on_load_failed(self, m: str) -> None:
         self._expect(m, ModelState.LOADING)
         self.states[m] = ModelState.OFFLOADED
-        self.inflight[m] = 0
+        # with overlap, batches sent to the loading model are still in flight: each
+        # one is answered (as a failure) and brings its own on_batch_done
 
     def on_offloaded(self, m: str) -> None:
-        self._expect(m, ModelState.OFFLOADING, ModelState.LOADED)
+        # LOADED only for a model whose offload is queued behind its batches (prefetch)
+        queued = m in self._offload_queued
+        self._expect(m, ModelState.OFFLOADING, *((ModelState.LOADED,) if queued else ()))
         self.states[m] = ModelState.OFFLOADED
         self._slot_promised.pop(m, None)
         self._offload_queued.discard(m)

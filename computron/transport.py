@@ -2,9 +2,13 @@
 
 Commands: the master broadcasts each command to every worker on the ``cmd``
 group, from one sender thread, so all workers see one total order. Replies:
-each worker sends a (length, payload) pair to the master on the ``res`` group;
-the master's receiver thread blocks on a receive from any source. Both sides
-block on the transport; nothing polls.
+each worker sends to the master on the ``res`` group; the master's receiver
+thread blocks on a receive from any source. Both sides block on the
+transport; nothing polls.
+
+Messages travel in fixed-size frames (``FRAME`` bytes: an 8-byte length, then
+the pickled message), so a small message costs one transfer; a larger one
+sends the rest in a second transfer of exactly the missing bytes.
 
 In attach mode the master shares rank 0 with worker 0: that worker gets its
 commands from an in-process queue and hands replies straight to the master.
@@ -23,13 +27,31 @@ from .messages import Bye, Shutdown
 from .topology import Groups
 
 
-def _to_tensor(obj: Any) -> torch.Tensor:
+FRAME = 16384
+_HEAD = 8
+
+
+def _frames(obj: Any):
+    """The first frame (always FRAME bytes) and the overflow tensor, or None if it all fits."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    frame = torch.zeros(FRAME, dtype=torch.uint8)
+    frame[:_HEAD] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    first = data[:FRAME - _HEAD]
+    frame[_HEAD:_HEAD + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    rest = data[FRAME - _HEAD:]
+    return frame, (torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else None)
 
 
-def _from_tensor(t: torch.Tensor) -> Any:
-    return pickle.loads(t.numpy().tobytes())
+def _overflow_size(frame: torch.Tensor) -> int:
+    return max(0, int(frame[:_HEAD].view(torch.int64).item()) - (FRAME - _HEAD))
+
+
+def _decode(frame: torch.Tensor, rest: Optional[torch.Tensor]) -> Any:
+    n = int(frame[:_HEAD].view(torch.int64).item())
+    data = frame[_HEAD:_HEAD + min(n, FRAME - _HEAD)].numpy().tobytes()
+    if rest is not None:
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
 
 
 class MasterChannel:
@@ -68,7 +90,10 @@ class MasterChannel:
                 if self.local_worker_inbox is not None:
                     self.local_worker_inbox.put(cmd)
                 if self._remote_workers:
-                    dist.broadcast_object_list([cmd], src=self.layout.master_rank, group=self.groups.cmd)
+                    frame, rest = _frames(cmd)
+                    dist.broadcast(frame, src=self.layout.master_rank, group=self.groups.cmd)
+                    if rest is not None:
+                        dist.broadcast(rest, src=self.layout.master_rank, group=self.groups.cmd)
             except Exception as exc:  # noqa: BLE001
                 if not self._closed.is_set():
                     self._on_error(exc)
@@ -77,14 +102,17 @@ class MasterChannel:
                 return
 
     def _recv_loop(self) -> None:
-        header = torch.zeros(1, dtype=torch.int64)
+        frame = torch.zeros(FRAME, dtype=torch.uint8)
         byes = 0
         while byes < self._remote_workers:
             try:
-                src = dist.recv(header, src=None, group=self.groups.res)
-                payload = torch.empty(int(header.item()), dtype=torch.uint8)
-                dist.recv(payload, src=src, group=self.groups.res)
-                reply = _from_tensor(payload)
+                src = dist.recv(frame, src=None, group=self.groups.res)
+                rest = None
+                extra = _overflow_size(frame)
+                if extra:
+                    rest = torch.empty(extra, dtype=torch.uint8)
+                    dist.recv(rest, src=src, group=self.groups.res)
+                reply = _decode(frame, rest)
             except Exception as exc:  # noqa: BLE001
                 if not self._closed.is_set():
                     self._on_error(exc)
@@ -122,16 +150,21 @@ class WorkerChannel:
     def recv(self) -> Any:
         if self._master is not None:
             return self._master.local_worker_inbox.get()
-        box = [None]
-        dist.broadcast_object_list(box, src=self.layout.master_rank, group=self.groups.cmd)
-        return box[0]
+        frame = torch.zeros(FRAME, dtype=torch.uint8)
+        dist.broadcast(frame, src=self.layout.master_rank, group=self.groups.cmd)
+        rest = None
+        extra = _overflow_size(frame)
+        if extra:
+            rest = torch.empty(extra, dtype=torch.uint8)
+            dist.broadcast(rest, src=self.layout.master_rank, group=self.groups.cmd)
+        return _decode(frame, rest)
 
     def reply(self, msg: Any) -> None:
         if self._master is not None:
             self._master.deliver_local(msg)
             return
-        payload = _to_tensor(msg)
-        header = torch.tensor([payload.numel()], dtype=torch.int64)
+        frame, rest = _frames(msg)
         with self._lock:
-            dist.send(header, dst=self.layout.master_rank, group=self.groups.res)
-            dist.send(payload, dst=self.layout.master_rank, group=self.groups.res)
+            dist.send(frame, dst=self.layout.master_rank, group=self.groups.res)
+            if rest is not None:
+                dist.send(rest, dst=self.layout.master_rank, group=self.groups.res)

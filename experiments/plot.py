@@ -1,0 +1,135 @@
+"""Figures from the JSON files of ``sim.py`` and ``round_robin.py`` (matplotlib, Agg backend).
+
+- ``sim_cdf.png``: latency CDFs, one panel per rate tuple (and model / TP / PP /
+  max_loaded, when files differ in those), one colour per CV, solid = ours,
+  dashed = paper mode.
+- ``rr_breakdown.png``: the round-robin breakdown, one panel per configuration
+  (model, TP, PP, blocking): mean offload, load, model, engine overhead and
+  response time per mode, warm-up requests left out (as in the JSON summary).
+
+Usage: ``python experiments/plot.py --sim a.json b.json --rr c.json --out-dir experiments/figures``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+STYLE = {"ours": "-", "paper": "--"}
+CV_COLORS = {0.25: "tab:blue", 1: "tab:orange", 1.0: "tab:orange", 4: "tab:green", 4.0: "tab:green"}
+RR_FIELDS = ("offload", "load", "model", "overhead", "response")
+MODE_COLORS = {"ours": "tab:blue", "paper": "tab:red"}
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _num(x):
+    return int(x) if float(x).is_integer() else round(x, 3)
+
+
+def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
+    panels: Dict[tuple, List[dict]] = {}
+    for d in docs:
+        c = d["config"]
+        key = (tuple(_num(r) for r in c["rates"]), c["model"], c["tp_world_size"], c["pp_world_size"],
+               c["max_loaded"])
+        panels.setdefault(key, []).append(d)
+    keys = sorted(panels, key=lambda k: (len(k[0]), k[0], k[1:]))
+    n = len(keys)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        rates, model, tp, pp, ml = key
+        for d in sorted(panels[key], key=lambda d: d["config"]["cv"]):
+            cv = d["config"]["cv"]
+            for mode, recs in d["records"].items():
+                lat = np.sort([r["latency"] for r in recs if r["ok"]])
+                if not len(lat):
+                    continue
+                y = np.arange(1, len(lat) + 1) / len(recs)  # unanswered requests keep the curve below 1
+                ax.step(lat, y, where="post", linestyle=STYLE.get(mode, ":"), color=CV_COLORS.get(cv, None),
+                        label=f"CV {_num(cv)} {mode}")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("latency (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"rates={rates}\n{model} TP={tp} PP={pp} max_loaded={ml}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle("latency CDF: solid = ours, dashed = paper mode", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "sim_cdf.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
+    n = len(docs)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    for ax, d in zip(axes.flat, docs):
+        c, summ = d["config"], d["summary"]
+        modes = [m for m in ("ours", "paper") if m in summ]
+        x = np.arange(len(RR_FIELDS))
+        w = 0.8 / max(1, len(modes))
+        for j, mode in enumerate(modes):
+            vals = [(summ[mode][f] or 0.0) * 1000 for f in RR_FIELDS]
+            bars = ax.bar(x + (j - (len(modes) - 1) / 2) * w, vals, w, label=mode, color=MODE_COLORS.get(mode))
+            for b, v in zip(bars, vals):
+                ax.annotate(f"{v:.1f}" if v < 100 else f"{v:.0f}", (b.get_x() + b.get_width() / 2, v),
+                            ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(x, ["offload", "load", "model", "engine\noverhead", "response"], fontsize=8)
+        ax.set_ylabel("mean ms per request")
+        warm = summ[modes[0]]["warmup_dropped"] if modes else 0
+        ax.set_title(f"{c['model_name']} x{c['num_models']} TP={c['tp_world_size']} PP={c['pp_world_size']} "
+                     f"{'blocking' if c['blocking'] else 'all at once'}\nmax_tokens={c['max_tokens']}, "
+                     f"first {warm} requests dropped", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle("round robin, max_loaded=1: where a request's time goes", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "rr_breakdown.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> List[str]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sim", nargs="*", default=[], help="JSON files written by sim.py --out")
+    ap.add_argument("--rr", nargs="*", default=[], help="JSON files written by round_robin.py --out")
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures"))
+    args = ap.parse_args(argv)
+    if not args.sim and not args.rr:
+        ap.error("give --sim and/or --rr JSON files")
+    os.makedirs(args.out_dir, exist_ok=True)
+    written = []
+    if args.sim:
+        written.append(plot_sim([_load(p) for p in args.sim], args.out_dir))
+    if args.rr:
+        written.append(plot_rr([_load(p) for p in args.rr], args.out_dir))
+    for p in written:
+        print(f"wrote {p}", file=sys.stderr)
+    return written
+
+
+if __name__ == "__main__":
+    main()

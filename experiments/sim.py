@@ -1,0 +1,236 @@
+"""Simulated workload: Gamma-process arrivals per model (the paper's ``experiments/sim.py``).
+
+One arrival trace ``(time, model)`` is drawn from ``--seed`` for configuration
+``-c`` (the table is in ``workload.py``) and replayed, unchanged, against our
+engine and then against paper mode (``EngineConfig(paper_mode=True)``), each
+in its own engine launched in turn. Before the trace starts, every model gets
+one warm-up request, one after the other (as in the paper); those are not
+recorded. The client is an asyncio dispatcher that sleeps until each arrival
+time and then starts a task that awaits ``engine.submit``.
+
+Per request: ``latency`` = answer - submit on the master's clock (the client
+submits on time unless the machine is overloaded; ``late`` = submit - scheduled
+arrival records by how much it did not). Per mode: count, mean, p50, p99
+latency, SLO attainment (fraction of the trace answered within ``--slo``
+seconds), and the engine's swap counts; with both modes, the ratios ours/paper
+of mean and p99. Progress goes to stderr every ``--progress-every`` answers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import sys
+import time
+from typing import List, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload  # noqa: E402  (also applies the worker-thread override in spawned workers)
+
+
+async def replay(engine, trace: Sequence[Tuple[float, str]], payload: dict, mode: str,
+                 progress_every: int, timeout=None) -> Tuple[List[dict], float]:
+    """Submit each request of ``trace`` at its time; return the client records and the start time."""
+    done = 0
+    t_start = time.perf_counter()
+    n = len(trace)
+
+    async def one(i, t, mid):
+        nonlocal done
+        rec = {"i": i, "model": mid, "arrival": t, "ok": True, "error": None}
+        rec["t_submit"] = time.perf_counter()
+        try:
+            out = await engine.submit(mid, payload, timeout=timeout)
+            rec["n_tokens"] = int(out.numel())
+        except Exception as exc:  # noqa: BLE001 - recorded; the replay goes on
+            rec["ok"], rec["error"] = False, f"{type(exc).__name__}: {exc}"
+        rec["t_answer"] = time.perf_counter()
+        done += 1
+        if progress_every and (done % progress_every == 0 or done == n):
+            el = rec["t_answer"] - t_start
+            print(f"[{mode}] {done}/{n} answered, {el:.1f}s elapsed, {done / el:.2f} req/s",
+                  file=sys.stderr, flush=True)
+        return rec
+
+    tasks = []
+    for i, (t, mid) in enumerate(trace):
+        delay = t_start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the workload generator waits for the next arrival
+        tasks.append(asyncio.create_task(one(i, t, mid)))
+    return list(await asyncio.gather(*tasks)), t_start
+
+
+def build_records(client: Sequence[dict], metrics: Sequence, t_start: float, n_warmup: int) -> List[dict]:
+    reqs = sorted((r for r in metrics if r.kind == "request"), key=lambda r: r.uid)[n_warmup:]
+    by_submit = sorted(client, key=lambda c: c["t_submit"])
+    batch_of = {u: b for b in metrics if b.kind == "batch" for u in b.uids}
+    if len(reqs) != len(by_submit):
+        raise RuntimeError(f"engine recorded {len(reqs)} requests, the client sent {len(by_submit)}")
+    out = []
+    for rec, c in zip(reqs, by_submit):
+        if rec.model_id != c["model"]:
+            raise RuntimeError(f"request order mismatch at engine uid {rec.uid}")
+        b = batch_of.get(rec.uid)
+        out.append({
+            "i": c["i"], "uid": rec.uid, "model": c["model"], "ok": c["ok"], "error": c["error"],
+            "n_tokens": c.get("n_tokens"),
+            "arrival": c["arrival"], "submit": c["t_submit"] - t_start, "answer": c["t_answer"] - t_start,
+            "late": c["t_submit"] - t_start - c["arrival"],
+            "latency": c["t_answer"] - c["t_submit"],
+            "engine_latency": rec.latency,
+            "batch_size": b.batch_size if b is not None else None,
+            "queue": (b.start - rec.submitted) if b is not None else None,
+            "batch": b.duration if b is not None else None,
+        })
+    out.sort(key=lambda r: r["i"])
+    return out
+
+
+def summarize(records: Sequence[dict], metrics: Sequence, slo: float) -> dict:
+    ok = [r["latency"] for r in records if r["ok"]]
+    loads = [m for m in metrics if m.kind == "load"]
+    offs = [m for m in metrics if m.kind == "offload"]
+    batches = [m for m in metrics if m.kind == "batch"]
+    return {
+        "count": len(records), "answered": len(ok), "errors": len(records) - len(ok),
+        "mean": workload.mean(ok), "p50": workload.percentile(ok, 50), "p99": workload.percentile(ok, 99),
+        "max": max(ok) if ok else None,
+        "slo": slo, "slo_attainment": (sum(1 for x in ok if x <= slo) / len(records)) if records else None,
+        "max_late": max((r["late"] for r in records), default=None),
+        "n_loads": len(loads), "n_offloads": len(offs), "n_batches": len(batches),
+        "mean_batch_size": workload.mean([b.batch_size for b in batches]),
+        "load_s_mean": workload.mean([m.duration for m in loads]),
+        "offload_s_mean": workload.mean([m.duration for m in offs]),
+        "batch_s_mean": workload.mean([m.duration for m in batches]),
+    }
+
+
+async def run_mode(mode: str, trace, args, model_ids: List[str]) -> dict:
+    from computron import LaunchEngine
+    mcs = workload.opt_model_configs(args.model, len(model_ids), args.batch_size, args.dtype)
+    cfg = workload.engine_config(mode, args.max_loaded_resolved)
+    payload = {"input_ids": workload.make_prompt(args.model), "max_tokens": args.max_tokens}
+    t0 = time.perf_counter()
+    engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
+    launch_s = time.perf_counter() - t0
+    load_before = os.getloadavg()
+    async with engine:
+        for mid in model_ids:  # warm-up, one model after the other
+            await engine.submit(mid, payload)
+        n_warm_metrics = len(engine.metrics())
+        client, t_start = await replay(engine, trace, payload, mode, args.progress_every, args.timeout)
+        wall = time.perf_counter() - t_start
+        metrics = engine.metrics()
+    records = build_records(client, metrics, t_start, n_warmup=len(model_ids))
+    trace_metrics = metrics[n_warm_metrics:]
+    return {"records": records, "summary": summarize(records, trace_metrics, args.slo),
+            "engine": [_raw(m, t_start) for m in trace_metrics], "launch_s": launch_s, "wall_s": wall,
+            "loadavg": [load_before[0], os.getloadavg()[0]]}
+
+
+def _raw(rec, t0: float) -> dict:
+    """An engine record as JSON, times relative to the start of the trace."""
+    d = {"kind": rec.kind, "model_id": rec.model_id}
+    if rec.kind == "request":
+        d.update(uid=rec.uid, start=rec.submitted - t0, end=rec.finished - t0)
+    else:
+        d.update(start=rec.start - t0, end=rec.end - t0,
+                 rank_times={str(k): [a - t0, b - t0] for k, (a, b) in rec.rank_times.items()})
+        if rec.kind == "batch":
+            d.update(uids=list(rec.uids), batch_size=rec.batch_size)
+    if rec.error:
+        d["error"] = rec.error
+    return d
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def print_summary(doc: dict, file=sys.stdout) -> None:
+    c = doc["config"]
+    print(f"config {c['config']}: {c['label']} (x{c['rate_scale']}), {c['model']} tp={c['tp_world_size']} "
+          f"pp={c['pp_world_size']} b={c['batch_size']} max_loaded={c['max_loaded']} d={c['duration']}s "
+          f"seed={c['seed']}: {c['n_requests']} requests", file=file)
+    modes = [m for m in ("ours", "paper") if m in doc["summary"]]
+    keys = ("answered", "errors", "mean", "p50", "p99", "slo_attainment", "n_loads", "mean_batch_size", "max_late")
+    print(f"{'':<16}" + "".join(f"{m:>10}" for m in modes), file=file)
+    for k in keys:
+        vals = [doc["summary"][m][k] for m in modes]
+        name = f"slo<={c['slo']}s" if k == "slo_attainment" else k
+        print(f"{name:<16}" + "".join(f"{(str(v) if isinstance(v, int) else _fmt(v)):>10}" for v in vals),
+              file=file)
+    r = doc["summary"].get("ours_over_paper")
+    if r:
+        print(f"ours/paper: mean {_fmt(r['mean'])}  p99 {_fmt(r['p99'])}", file=file)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-c", "--config", type=int, default=0, help=f"index into workload.CONFIGS (0..{len(workload.CONFIGS) - 1})")
+    ap.add_argument("-t", "--tp-world-size", type=int, default=1)
+    ap.add_argument("-p", "--pp-world-size", type=int, default=1)
+    ap.add_argument("-b", "--batch-size", type=int, default=8, help="OPTBatchManager max_batch_size")
+    ap.add_argument("-d", "--duration", type=float, default=30.0, help="seconds of arrivals")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="opt-tiny", help="a computron.zoo shape name")
+    ap.add_argument("--max-loaded", default="1", help="an int, or 'paper' for the configuration's own")
+    ap.add_argument("--max-tokens", type=int, default=1, help="new tokens per request (the paper's sim: 1)")
+    ap.add_argument("--slo", type=float, default=1.0, help="latency objective in seconds")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply every rate (lighter CPU runs)")
+    ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
+    ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads per worker (0: the library's default); see workload.py")
+    ap.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default none)")
+    ap.add_argument("--progress-every", type=int, default=50)
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args(argv)
+    if not 0 <= args.config < len(workload.CONFIGS):
+        ap.error(f"-c {args.config}: must be in 0..{len(workload.CONFIGS) - 1}")
+    if args.rate_scale <= 0:
+        ap.error("--rate-scale must be > 0")
+    sc = workload.CONFIGS[args.config]
+    args.max_loaded_resolved = sc.paper_max_loaded if args.max_loaded == "paper" else int(args.max_loaded)
+    args.dtype = args.dtype or workload.default_dtype()
+    modes = workload.parse_modes(args.modes)
+    workload.set_worker_threads(args.threads)
+
+    rates = tuple(r * args.rate_scale for r in sc.rates)
+    model_ids = [f"m{i}" for i in range(sc.n_models)]
+    trace = workload.make_trace(rates, sc.cv, args.duration, args.seed, model_ids)
+    print(f"config {args.config}: {sc.label()} x{args.rate_scale}: {len(trace)} requests over {args.duration}s",
+          file=sys.stderr, flush=True)
+
+    records, summary, timing, engine_records = {}, {}, {}, {}
+    for mode in modes:
+        print(f"[{mode}] launching {sc.n_models} x {args.model}", file=sys.stderr, flush=True)
+        res = asyncio.run(run_mode(mode, trace, args, model_ids))
+        records[mode], summary[mode] = res["records"], res["summary"]
+        timing[mode] = {"launch_s": res["launch_s"], "wall_s": res["wall_s"], "loadavg_1min": res["loadavg"]}
+        engine_records[mode] = res["engine"]
+    if "ours" in summary and "paper" in summary:
+        summary["ours_over_paper"] = {
+            k: (summary["ours"][k] / summary["paper"][k] if summary["paper"][k] else None) for k in ("mean", "p99")}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "max_loaded_resolved")}
+    config.update(max_loaded=args.max_loaded_resolved, paper_max_loaded=sc.paper_max_loaded,
+                  rates=list(rates), base_rates=list(sc.rates), cv=sc.cv, label=sc.label(), modes=modes,
+                  n_requests=len(trace), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  machine=workload.machine_info(),
+                  command=" ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
+    doc = {"kind": "sim", "config": config, "trace": [[t, m] for t, m in trace], "records": records,
+           "summary": summary, "timing": timing, "engine_records": engine_records}
+    print_summary(doc)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

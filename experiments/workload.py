@@ -1,0 +1,216 @@
+"""Shared helpers of the experiments: Gamma-process arrivals, the paper's workload table, CPU knobs.
+
+Arrivals
+--------
+``gamma_arrivals(rate, cv, duration, rng)`` draws a Gamma renewal process, the
+arrival model of AlpaServe that the paper's ``sim.py`` used: inter-arrival
+times are i.i.d. Gamma with shape ``k = 1 / cv**2`` and scale
+``theta = cv**2 / rate``, so their mean is ``k * theta = 1 / rate`` and their
+coefficient of variation is ``1 / sqrt(k) = cv``. CV 1 is a Poisson process,
+CV < 1 is more regular, CV > 1 burstier. Arrival times are the cumulative sums
+of the gaps, starting from 0, kept while ``< duration``.
+
+Configurations (``sim.py -c INDEX``)
+------------------------------------
+The paper's simulated workloads (its ``experiments/sim.py``): one Gamma client
+per model, the rate of model ``i`` in requests/s, the same CV for all models.
+``paper max_loaded`` is the residency limit the paper ran each row with; our
+``sim.py`` uses ``--max-loaded`` (default 1) unless given ``--max-loaded paper``.
+
+======  ========================  =====  ==================
+index   rates (req/s per model)   CV     paper max_loaded
+======  ========================  =====  ==================
+0       (1, 1, 1)                 0.25   2
+1       (1, 1, 1)                 1      2
+2       (1, 1, 1)                 4      2
+3       (10, 1, 1)                0.25   2
+4       (10, 1, 1)                1      2
+5       (10, 1, 1)                4      2
+6       (10, 10, 1)               0.25   2
+7       (10, 10, 1)               1      2
+8       (10, 10, 1)               4      2
+9       (1, 1, 1, 1, 1, 1)        0.25   4
+10      (1, 1, 1, 1, 1, 1)        1      4
+11      (1, 1, 1, 1, 1, 1)        4      4
+12      (10, 10, 1, 1, 1, 1)      0.25   4
+13      (10, 10, 1, 1, 1, 1)      1      4
+14      (10, 10, 1, 1, 1, 1)      4      4
+15      (10, 10, 10, 10, 1, 1)    0.25   4
+16      (10, 10, 10, 10, 1, 1)    1      4
+17      (10, 10, 10, 10, 1, 1)    4      4
+18      (2, 2)                    1      1     (smoke test for CI, not in the paper)
+======  ========================  =====  ==================
+
+Worker threads on CPU
+---------------------
+``computron.launch`` gives each spawned worker ``os.cpu_count() // workers``
+intra-op threads. On a small, shared CPU machine two OpenMP threads per worker
+made a forward of opt-tiny 40-600x slower than one thread (the threads spin
+against each other and against other processes), so the experiments pin the
+number with ``set_worker_threads(n)``. It exports ``COMPUTRON_EXP_THREADS``;
+spawned workers re-import the experiment's main module, which imports this
+module, which then replaces ``computron.launch._threads_per_worker`` in the
+worker before the worker asks it. Only experiments do this; the library is
+unchanged.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+_THREADS_ENV = "COMPUTRON_EXP_THREADS"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    rates: Tuple[float, ...]
+    cv: float
+    paper_max_loaded: int
+
+    @property
+    def n_models(self) -> int:
+        return len(self.rates)
+
+    def label(self) -> str:
+        return f"rates={tuple(_num(r) for r in self.rates)} cv={_num(self.cv)}"
+
+
+def _num(x: float):
+    return int(x) if float(x).is_integer() else x
+
+
+def _paper_configs() -> List[SimConfig]:
+    out = []
+    for rates, max_loaded in (((1, 1, 1), 2), ((10, 1, 1), 2), ((10, 10, 1), 2),
+                              ((1, 1, 1, 1, 1, 1), 4), ((10, 10, 1, 1, 1, 1), 4), ((10, 10, 10, 10, 1, 1), 4)):
+        for cv in (0.25, 1, 4):
+            out.append(SimConfig(tuple(rates), cv, max_loaded))
+    out.append(SimConfig((2, 2), 1, 1))  # 18: smoke configuration for CI
+    return out
+
+
+CONFIGS: List[SimConfig] = _paper_configs()
+SMOKE_CONFIG = 18
+
+
+def gamma_arrivals(rate: float, cv: float, duration: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times in ``[0, duration)`` of a Gamma renewal process with mean rate ``rate`` and CV ``cv``."""
+    if rate <= 0:
+        raise ValueError(f"rate={rate!r}: must be > 0")
+    if cv <= 0:
+        raise ValueError(f"cv={cv!r}: must be > 0")
+    if duration < 0:
+        raise ValueError(f"duration={duration!r}: must be >= 0")
+    shape, scale = 1.0 / cv ** 2, cv ** 2 / rate
+    chunk = max(16, int(rate * duration * 1.2) + 16)
+    times: List[np.ndarray] = []
+    t = 0.0
+    while True:
+        gaps = rng.gamma(shape, scale, size=chunk)
+        cum = t + np.cumsum(gaps)
+        keep = cum[cum < duration]
+        times.append(keep)
+        if len(keep) < len(cum):
+            break
+        t = float(cum[-1])
+    return np.concatenate(times)
+
+
+def make_trace(rates: Sequence[float], cv: float, duration: float, seed: int,
+               model_ids: Optional[Sequence[str]] = None) -> List[Tuple[float, str]]:
+    """One merged, time-sorted trace of ``(arrival_time, model_id)`` for every model's Gamma client.
+
+    Model ``i`` draws from its own stream ``SeedSequence(seed).spawn(n)[i]``, so
+    its arrivals do not depend on the other models' rates.
+    """
+    model_ids = list(model_ids) if model_ids is not None else [f"m{i}" for i in range(len(rates))]
+    streams = np.random.SeedSequence(seed).spawn(len(rates))
+    trace = []
+    for mid, rate, ss in zip(model_ids, rates, streams):
+        for t in gamma_arrivals(rate, cv, duration, np.random.default_rng(ss)):
+            trace.append((float(t), mid))
+    trace.sort()
+    return trace
+
+
+# ---- worker threads ----------------------------------------------------------
+
+def set_worker_threads(n: Optional[int]) -> None:
+    """Make workers spawned from now on use ``n`` intra-op threads (None: the library's default)."""
+    if n is None or n <= 0:
+        os.environ.pop(_THREADS_ENV, None)
+        return
+    os.environ[_THREADS_ENV] = str(int(n))
+    _apply_thread_override()
+
+
+def _apply_thread_override() -> None:
+    n = os.environ.get(_THREADS_ENV)
+    if not n:
+        return
+    import computron.launch as launch
+    launch._threads_per_worker = lambda local_world, _n=int(n): _n
+
+
+_apply_thread_override()  # in a spawned worker: runs when the main module is re-imported
+
+
+# ---- small statistics helpers ----------------------------------------------------
+
+def percentile(xs: Sequence[float], q: float) -> Optional[float]:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
+
+
+def mean(xs: Sequence[float]) -> Optional[float]:
+    return float(np.mean(np.asarray(xs, dtype=float))) if len(xs) else None
+
+
+def machine_info() -> dict:
+    import platform
+    import torch
+    return {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+# ---- engines of the experiments ----------------------------------------------------
+
+def default_dtype() -> str:
+    import torch
+    return "float16" if torch.cuda.is_available() else "float32"
+
+
+def opt_model_configs(model_name: str, n_models: int, max_batch_size: int, dtype: str = "float32"):
+    """``n_models`` OPT models ``m0..m{n-1}`` of zoo shape ``model_name`` with seeded random weights."""
+    from computron import ModelConfig, OPTBatchManager, zoo
+    hf = zoo.hf_config(model_name)
+    return [ModelConfig(f"m{i}", zoo.random_causal_lm,
+                        {"name": model_name, "seed": i, "dtype": dtype, "fast_init": True},
+                        batch_manager=OPTBatchManager.for_config(hf, max_batch_size=max_batch_size))
+            for i in range(n_models)]
+
+
+def make_prompt(model_name: str, length: int = 8, seed: int = 0) -> List[int]:
+    """A fixed prompt of ``length`` token ids (BOS first), the same for every request of a run."""
+    from computron import zoo
+    vocab = zoo.hf_config(model_name).vocab_size
+    rng = np.random.default_rng(seed)
+    return [2] + [int(x) for x in rng.integers(4, vocab, size=length - 1)]
+
+
+def engine_config(mode: str, max_loaded: int, **kw):
+    from computron import EngineConfig
+    if mode not in ("ours", "paper"):
+        raise ValueError(f"mode {mode!r}: must be 'ours' or 'paper'")
+    return EngineConfig(max_loaded=max_loaded, paper_mode=(mode == "paper"), **kw)
+
+
+def parse_modes(s: str) -> List[str]:
+    modes = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("ours", "paper")]
+    if not modes or bad:
+        raise ValueError(f"--modes {s!r}: a comma-separated list of 'ours' and 'paper'")
+    return modes

@@ -1,0 +1,47 @@
+"""Model builders and references shared by the tests (module-level, so workers can unpickle them)."""
+import torch
+
+from computron import zoo
+
+MLP_SIZES = (16, 32, 32, 16)
+
+
+def mlp(seed: int):
+    return zoo.mlp(MLP_SIZES, seed=seed)
+
+
+def failing_model_fn():
+    raise RuntimeError("model_fn exploded on purpose")
+
+
+class Picky(torch.nn.Module):
+    """Raises on negative inputs: a forward that fails for some batches only."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x):
+        if (x < 0).any():
+            raise ValueError("negative input is not allowed")
+        return x * self.scale
+
+
+def picky():
+    return Picky()
+
+
+def big_mlp(width: int = 4096, depth: int = 6):
+    """About width*width*4*depth bytes: a load that takes a while on CPU."""
+    return zoo.mlp((width,) * (depth + 1), seed=0)
+
+
+def greedy_reference(path, prompt, max_tokens):
+    model = zoo.load_causal_lm(path)
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         do_sample=False, pad_token_id=model.config.pad_token_id)
+    new = out[0, len(prompt):]
+    eos = model.config.eos_token_id
+    hits = (new == eos).nonzero()
+    return new[:int(hits[0]) + 1] if len(hits) else new

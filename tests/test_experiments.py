@@ -1,0 +1,165 @@
+"""The experiment scripts: Gamma arrivals, a short real sim run, and the plots."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXP = os.path.join(ROOT, "experiments")
+sys.path.insert(0, EXP)
+
+import workload  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rate,cv", [(1.0, 0.25), (1.0, 1.0), (10.0, 4.0), (3.0, 2.0)])
+def test_gamma_mean_and_cv(rate, cv):
+    rng = np.random.default_rng(1234)
+    duration = 200_000 / rate
+    t = workload.gamma_arrivals(rate, cv, duration, rng)
+    gaps = np.diff(np.concatenate([[0.0], t]))
+    assert len(t) > 150_000
+    assert np.all(gaps >= 0) and t[-1] < duration
+    # standard error of the mean gap is cv/rate/sqrt(n) < 1% of 1/rate here; the CV's estimate wobbles more
+    # for heavy-tailed CV 4, so the tolerances are 3% and 10%
+    assert gaps.mean() == pytest.approx(1.0 / rate, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.10)
+    assert len(t) / duration == pytest.approx(rate, rel=0.03)
+
+
+@pytest.mark.timeout(300)
+def test_trace_is_seeded_sorted_and_per_model():
+    a = workload.make_trace((2, 1, 0.5), 1.0, 50.0, seed=7)
+    b = workload.make_trace((2, 1, 0.5), 1.0, 50.0, seed=7)
+    c = workload.make_trace((2, 1, 0.5), 1.0, 50.0, seed=8)
+    assert a == b and a != c
+    assert [x[0] for x in a] == sorted(x[0] for x in a)
+    assert {m for _, m in a} == {"m0", "m1", "m2"}
+    # a model's own arrivals do not depend on the other models' rates
+    d = workload.make_trace((2, 5, 5), 1.0, 50.0, seed=7)
+    assert [t for t, m in a if m == "m0"] == [t for t, m in d if m == "m0"]
+
+
+@pytest.mark.timeout(300)
+def test_config_table():
+    assert len(workload.CONFIGS) == 19
+    assert [c.cv for c in workload.CONFIGS[:3]] == [0.25, 1, 4]
+    assert workload.CONFIGS[0].rates == (1, 1, 1) and workload.CONFIGS[17].rates == (10, 10, 10, 10, 1, 1)
+    assert workload.CONFIGS[workload.SMOKE_CONFIG].rates == (2, 2)
+
+
+@pytest.mark.timeout(300)
+def test_short_sim_answers_every_request(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, os.path.join(EXP, "sim.py"), "-c", "18", "-d", "2", "--model", "opt-tiny",
+           "--modes", "ours,paper", "--seed", "3", "--max-tokens", "2", "--progress-every", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "answered" in proc.stderr  # progress lines
+    doc = json.loads(out.read_text())
+    trace = doc["trace"]
+    assert doc["config"]["n_requests"] == len(trace) > 0
+    assert set(doc["records"]) == {"ours", "paper"}
+    for mode, recs in doc["records"].items():
+        assert [r["i"] for r in recs] == list(range(len(trace)))
+        for r, (t, m) in zip(recs, trace):
+            assert r["ok"], r
+            assert r["model"] == m and r["arrival"] == pytest.approx(t)
+            assert r["n_tokens"] is not None and 1 <= r["n_tokens"] <= 2
+            assert r["batch_size"] >= 1 and r["latency"] > 0
+            assert r["submit"] <= r["answer"]
+        s = doc["summary"][mode]
+        assert s["count"] == s["answered"] == len(trace) and s["errors"] == 0
+        lat = sorted(r["latency"] for r in recs)
+        assert s["mean"] == pytest.approx(float(np.mean(lat)))
+        assert s["p50"] <= s["p99"] <= s["max"] == pytest.approx(lat[-1])
+        assert s["slo_attainment"] == pytest.approx(sum(x <= s["slo"] for x in lat) / len(lat))
+        assert sum(b["batch_size"] for b in doc["engine_records"][mode] if b["kind"] == "batch") == len(trace)
+    ratio = doc["summary"]["ours_over_paper"]
+    assert ratio["mean"] == pytest.approx(doc["summary"]["ours"]["mean"] / doc["summary"]["paper"]["mean"])
+
+
+def _synthetic_sim(cv, rates=(1, 1, 1), n=30, seed=0):
+    rng = np.random.default_rng(seed)
+    records = {m: [{"i": i, "model": f"m{i % len(rates)}", "ok": True, "latency": float(x)}
+                   for i, x in enumerate(rng.gamma(2.0, scale, n))]
+               for m, scale in (("ours", 0.05), ("paper", 0.2))}
+    return {"kind": "sim", "records": records,
+            "config": {"rates": list(rates), "cv": cv, "model": "opt-tiny", "tp_world_size": 1,
+                       "pp_world_size": 1, "max_loaded": 1}}
+
+
+def _synthetic_rr():
+    summ = {m: {"offload": o, "load": ld, "model": 0.02, "overhead": 0.0005, "response": o + ld + 0.0205,
+                "warmup_dropped": 2}
+            for m, o, ld in (("ours", 0.001, 0.05), ("paper", 0.3, 0.2))}
+    return {"kind": "round_robin", "records": {}, "summary": summ,
+            "config": {"model_name": "opt-tiny", "num_models": 2, "tp_world_size": 1, "pp_world_size": 1,
+                       "blocking": True, "max_tokens": 8}}
+
+
+@pytest.mark.timeout(300)
+def test_plot_writes_pngs(tmp_path):
+    files = []
+    for i, (cv, rates) in enumerate([(0.25, (1, 1, 1)), (1, (1, 1, 1)), (4, (10, 1, 1))]):
+        p = tmp_path / f"sim{i}.json"
+        p.write_text(json.dumps(_synthetic_sim(cv, rates, seed=i)))
+        files.append(str(p))
+    rr = tmp_path / "rr.json"
+    rr.write_text(json.dumps(_synthetic_rr()))
+    out_dir = tmp_path / "figs"
+    proc = subprocess.run([sys.executable, os.path.join(EXP, "plot.py"), "--sim", *files, "--rr", str(rr),
+                           "--out-dir", str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("sim_cdf.png", "rr_breakdown.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.timeout(300)
+def test_round_robin_attribution_sequential():
+    """Blocking, one model at a time: offload -> load -> batch; overhead is what lies between them."""
+    import round_robin
+    from computron import BatchRecord, RequestRecord, SwapRecord
+
+    metrics = [
+        SwapRecord("load", "m0", 1.00, 1.10),
+        BatchRecord("m0", 1.11, 1.20, 1, (0,)),
+        RequestRecord(0, "m0", 1.00, 1.201),
+        SwapRecord("offload", "m0", 2.00, 2.05),
+        SwapRecord("load", "m1", 2.06, 2.16),
+        BatchRecord("m1", 2.17, 2.30, 1, (1,)),
+        RequestRecord(1, "m1", 2.00, 2.301),
+    ]
+    client = [{"i": 0, "model": "m0", "ok": True, "t_submit": 0.999, "t_answer": 1.202},
+              {"i": 1, "model": "m1", "ok": True, "t_submit": 1.999, "t_answer": 2.302}]
+    recs = round_robin.attribute(metrics, client)
+    r = recs[1]
+    assert r["offload"] == pytest.approx(0.05) and r["load"] == pytest.approx(0.10)
+    assert r["model"] == pytest.approx(0.13)
+    assert r["response"] == pytest.approx(0.303)
+    assert r["overhead"] == pytest.approx(0.303 - 0.05 - 0.10 - 0.13)
+    assert recs[0]["offload"] == 0 and recs[0]["load"] == pytest.approx(0.10)
+
+
+@pytest.mark.timeout(300)
+def test_round_robin_attribution_overlapped():
+    """A batch that starts while its model loads: the union, not the sum, is busy time."""
+    import round_robin
+    from computron import BatchRecord, RequestRecord, SwapRecord
+
+    metrics = [
+        SwapRecord("offload", "m0", 2.00, 2.01),
+        SwapRecord("load", "m1", 2.01, 2.10),
+        BatchRecord("m1", 2.011, 2.20, 1, (0,)),
+        RequestRecord(0, "m1", 2.00, 2.201),
+    ]
+    client = [{"i": 0, "model": "m1", "ok": True, "t_submit": 1.9995, "t_answer": 2.2015}]
+    (r,) = round_robin.attribute(metrics, client)
+    assert r["busy"] == pytest.approx(0.20)
+    assert r["overhead"] == pytest.approx(0.002)
+    assert r["response"] - r["load"] - r["model"] < r["overhead"]  # the plain formula goes wrong with overlap
