@@ -8,6 +8,8 @@ directory, the same code path a user's own checkpoint takes.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Optional
 
 import torch
@@ -72,24 +74,39 @@ def random_causal_lm(name: str, seed: int = 0, dtype: str = "float32", fast_init
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
-        for b in model.buffers():  # e.g. rotary inv_freq: recompute from the config
-            pass
-    if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+    if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):  # buffers left empty by to_empty
         model.model.rotary_emb.__init__(config=config)
     return model.eval()
 
 
 def save_random_causal_lm(name: str, path: str, seed: int = 0, dtype: str = "float32", **cfg) -> str:
-    """Write a seeded random checkpoint of shape ``name`` to ``path`` (safetensors) and return ``path``."""
+    """Write a seeded random checkpoint of shape ``name`` to ``path`` (safetensors); return ``path``.
+
+    An existing checkpoint at ``path`` is kept. Several processes may call this
+    at once (every rank under torchrun): each writes a private directory and
+    renames it into place, and the first rename wins.
+    """
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
     model = random_causal_lm(name, seed=seed, dtype=dtype, **cfg)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)
+    model.save_pretrained(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # someone else finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise
     return path
 
 
 def load_causal_lm(path: str, dtype: Optional[str] = None):
     """Load a local checkpoint directory (never the hub). The ``model_fn`` of the examples."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     kwargs = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = _DTYPES[dtype]

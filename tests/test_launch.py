@@ -1,0 +1,76 @@
+"""Launch modes and process hygiene: torchrun / colossalai run attach mode, SIGTERM, no leftovers."""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _check_mlp_output(out: str, n: int):
+    errs = [float(e) for e in re.findall(r"max \|sharded - unsharded\| = (\S+)", out)]
+    assert len(errs) == n, out
+    assert max(errs) < 1e-5, out
+
+
+def _run(cmd):
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_attach_mode_under_torchrun():
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(_free_port()), "examples/mlp/serve_mlp.py", "--tp", "2",
+                "--width", "64", "--requests", "4"])
+    _check_mlp_output(out, 4)
+
+
+@pytest.mark.skipif(shutil.which("colossalai", path=os.path.dirname(sys.executable)) is None,
+                    reason="colossalai is not installed (make setup installs it)")
+def test_attach_mode_under_colossalai_run():
+    colossalai = shutil.which("colossalai", path=os.path.dirname(sys.executable))
+    out = _run([colossalai, "run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                "examples/mlp/serve_mlp.py", "--pp", "2", "--width", "64", "--requests", "4"])
+    _check_mlp_output(out, 4)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_without_leftovers(sig):
+    proc = subprocess.Popen([sys.executable, "examples/echo/serve_echo.py", "--serve", "--tp", "2"], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", line + proc.stderr.read()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # the workers (and multiprocessing's resource tracker)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
