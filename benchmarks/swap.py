@@ -56,6 +56,11 @@ Fields (times in seconds, bandwidths in GB/s with GB = 1e9 bytes):
   ``engine.submit`` of a request for the offloaded model to its answer, as the
   caller sees it (offload of the other model + load + forward), ``fast`` and
   ``fast_no_overlap`` engines. ``paper_ttfo_s`` likewise for the paper engine.
+  ``forward_s``: the request's batch as the longest rank ran it (worker
+  clock), ``fast_no_overlap`` engine, so ``ttfo_no_overlap_s`` is about
+  ``offload_master_s + load_master_s + forward_s``; ``forward_overlap_s`` is
+  the same in the ``fast`` engine, where it includes waiting for each layer's
+  weights (so there it overlaps ``load_overlap_s``).
 - ``load_vs_limit = load_gbps / limit_gbps``;
   ``speedup_vs_paper = (paper_load_s + paper_offload_s) / (load_s + offload_s)``;
   ``offload_vs_load = offload_s / load_s``.
@@ -225,6 +230,7 @@ def run_engine(mode: str, args, cfgs, make_input, limit: CopyLimit):
         lat = asyncio.run(_drive(engine, warm + args.repeats, make_input, args.request_timeout, limit, warm,
                                  mode))
         loads, offloads = engine.metrics("load"), engine.metrics("offload")
+        batches = engine.metrics("batch")[warm:]
     finally:
         engine.close()
     errors = [r.error for r in loads + offloads if r.error]
@@ -245,6 +251,7 @@ def run_engine(mode: str, args, cfgs, make_input, limit: CopyLimit):
         "load_master_s": median([r.duration for r in loads]),
         "offload_master_s": median([r.duration for r in offloads]),
         "ttfo_s": median(lat[warm:]),
+        "forward_s": median([rank_max(r) for r in batches]),
     }
     log(f"{mode}: " + ", ".join(f"{k}={v:.4f}" for k, v in res.items() if k != "shard_bytes"))
     return res
@@ -335,6 +342,7 @@ def main(argv=None) -> dict:
         "load_master_s": fast.get("load_master_s"), "offload_master_s": fast.get("offload_master_s"),
         "paper_load_master_s": paper.get("load_master_s"), "paper_offload_master_s": paper.get("offload_master_s"),
         "paper_load_gbps": None if pl is None else shard / pl / 1e9,
+        "forward_s": noovl.get("forward_s"), "forward_overlap_s": ovl.get("forward_s"),
     }
     lv, ol = out["load_vs_limit"], out["offload_vs_load"]
     out["targets"] = {

@@ -292,6 +292,9 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
             if kind == "error":
                 raise LaunchError(f"{proc.name} failed to start:\n{payload}")
             ready.append(payload)
+            log.info("worker rank %d ready on %s (%s): %d model shards, %.1f MB, %.1fs after launch",
+                     payload.rank, payload.host, payload.device, len(payload.host_bytes),
+                     sum(payload.host_bytes.values()) / 2**20, timeout - (deadline - time.monotonic()))
     return ready
 
 

@@ -48,11 +48,19 @@ def recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
     return out
 
 
-def broadcast_status_and(t: torch.Tensor, ok: bool, src: int, group) -> bool:
-    """Broadcast ``t`` from ``src`` along with whether ``src`` succeeded; returns that flag."""
-    flag = torch.tensor([OK if ok else FAILED], dtype=torch.int64, device=t.device)
-    dist.broadcast(flag, src=src, group=group)
-    if flag.item() != OK:
+def broadcast_with_status(t: torch.Tensor, ok: bool, src: int, group) -> bool:
+    """Broadcast the int64 tensor ``t`` from ``src`` together with whether ``src`` succeeded.
+
+    One transfer: the status travels as an extra element. Returns the source's
+    status; ``t`` holds the source's values only when it is True.
+    """
+    if dist.get_world_size(group) == 1:
+        return ok
+    packed = torch.empty(t.numel() + 1, dtype=torch.int64, device=t.device)
+    packed[0] = OK if ok else FAILED
+    packed[1:] = t.reshape(-1)
+    dist.broadcast(packed, src=src, group=group)
+    if packed[0].item() != OK:
         return False
-    dist.broadcast(t, src=src, group=group)
+    t.copy_(packed[1:].view(t.shape))
     return True

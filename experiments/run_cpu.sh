@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
-R=experiments/results/cpu
+R=experiments/data/cpu
 mkdir -p "$R" experiments/figures
 # round robin, blocking, 2 models, max_loaded=1 (the paper's first table), max_tokens=1 as the paper's client
 for tp_pp in "1 1" "2 1" "1 2"; do

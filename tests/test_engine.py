@@ -226,3 +226,46 @@ def test_config_errors_name_the_field():
         LaunchEngine(EngineConfig(), [ModelConfig("a", mlp), ModelConfig("a", mlp)])
     with pytest.raises(ValueError, match="tp_world_size"):
         LaunchEngine(EngineConfig(), [ModelConfig("a", mlp)], tp_world_size=0)
+
+
+def _residency(engine, rank):
+    """Per model on one rank: [(load start, offload end)] on that rank's clock."""
+    spans = []
+    loads = [r for r in engine.metrics("load") if rank in r.rank_times]
+    offloads = [r for r in engine.metrics("offload") if rank in r.rank_times]
+    for load in loads:
+        start = load.rank_times[rank][0]
+        ends = [o.rank_times[rank][1] for o in offloads
+                if o.model_id == load.model_id and o.rank_times[rank][1] >= start]
+        spans.append((load.model_id, start, min(ends) if ends else float("inf")))
+    return spans
+
+
+@pytest.mark.parametrize("max_loaded", [1, 2])
+def test_prefetch_never_evicts_busy_models_nor_exceeds_slots(max_loaded):
+    x = torch.randn(2, MLP_SIZES[0])
+    refs = [mlp(i)(x) for i in range(3)]
+
+    async def go():
+        engine = LaunchEngine(EngineConfig(max_loaded=max_loaded, prefetch=True), mlp_configs(3), 1, 2)
+        async with engine:
+            for wave in range(4):
+                names = [f"m{(wave + k) % 3}" for k in range(3)]
+                outs = await asyncio.gather(*[engine.submit(m, x) for m in names for _ in range(2)])
+                for m, out in zip([m for m in names for _ in range(2)], outs):
+                    torch.testing.assert_close(out, refs[int(m[1])])
+            return engine
+    engine = asyncio.run(go())
+    batches = engine.metrics("batch")
+    for rank in (0, 1):
+        spans = _residency(engine, rank)
+        for _, start, _ in spans:  # at every load start, count models resident on this rank
+            resident = [m for m, a, b in spans if a <= start < b]
+            assert len(resident) <= max_loaded, (rank, resident)
+        for b in batches:  # every batch ran while its model was resident on this rank
+            s, e = b.rank_times[rank]
+            assert any(m == b.model_id and a <= s and e <= z for m, a, z in spans), (rank, b)
+    # prefetch really happened: some load was sent before the previous model's last batch had returned
+    overlapped = [ld for ld in engine.metrics("load")
+                  if any(b.start < ld.start < b.end and b.model_id != ld.model_id for b in batches)]
+    assert overlapped

@@ -172,7 +172,7 @@ class CausalLMRunner(StageRunner):
                 ok, err = False, exc
                 if not ctx.is_last:
                     p2p.send_tensor(None, g.next_rank(), g.data, dev)
-            if not p2p.broadcast_status_and(tokens, ok or not ctx.is_output_rank,
+            if not p2p.broadcast_with_status(tokens, ok or not ctx.is_output_rank,
                                             g.layout.output_rank, g.data):
                 raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
             if err is not None:

@@ -11,6 +11,7 @@ as a real checkpoint would be. Requests go round robin, so with
 """
 import argparse
 import asyncio
+import logging
 import os
 import tempfile
 import time
@@ -54,6 +55,8 @@ async def client(engine, args):
 
 def main():
     args = parse_args()
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("computron").setLevel(logging.INFO)  # start-up progress
     configs = []
     for s in range(args.models):
         path = zoo.save_random_causal_lm(args.model, os.path.join(args.ckpt_dir, f"{args.model}-seed{s}"),
