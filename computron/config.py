@@ -36,6 +36,12 @@ class EngineConfig:
     """Let a batch start on the first layers while later layers are still loading."""
     paper_mode: bool = False
     """Swap exactly as the paper did: per-tensor .to(), copy-back offload, no prefetch/overlap."""
+    worker_threads: int = 0
+    """torch intra-op threads per worker; 0 picks (cores - 1) // local workers, at least 1.
+
+    On a small shared CPU more threads than free cores make OpenMP spin against
+    the master and each other (seen here: 40x slower forwards with 2 threads on 2 cores).
+    """
     start_timeout_s: float = 300.0
     """How long LaunchEngine waits for every worker to build its models and report ready."""
     death_timeout_s: float = 600.0
@@ -57,6 +63,8 @@ class EngineConfig:
             _fail(c, "backend", self.backend, f"must be one of {_BACKENDS} or None")
         if self.device is not None and self.device not in _DEVICES:
             _fail(c, "device", self.device, f"must be one of {_DEVICES} or None")
+        if not isinstance(self.worker_threads, int) or self.worker_threads < 0:
+            _fail(c, "worker_threads", self.worker_threads, "must be an int >= 0 (0 = automatic)")
         for name in ("start_timeout_s", "death_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:

@@ -23,7 +23,7 @@ from .config import EngineConfig, ModelConfig
 from .errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
                      WorkerError)
 from .metrics import BatchRecord, RequestRecord, SwapRecord
-from .scheduler import ActionKind, ModelState, Scheduler
+from .scheduler import ActionKind, Scheduler
 
 log = logging.getLogger("computron.engine")
 
@@ -63,9 +63,11 @@ class Engine:
         self._requests: Dict[int, _Request] = {}
         self._pending: Dict[int, _Pending] = {}
         paper = config.paper_mode
+        # One batch in flight per model: workers run commands in order anyway, and a
+        # second batch sent early would only split a burst into smaller batches.
         self._sched = Scheduler([mc.model_id for mc in model_configs], config.max_loaded,
                                 prefetch=config.prefetch and not paper, overlap=config.overlap and not paper,
-                                max_inflight=1 if paper else 2)
+                                max_inflight=1)
         self._lock = threading.RLock()
         self._uids = itertools.count()
         self._seqs = itertools.count()
@@ -175,13 +177,14 @@ class Engine:
                     q.remove(e)
                     break
 
-    def _finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None) -> None:
+    def _finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None,
+                 batch_seq: Optional[int] = None) -> None:
         req = self._requests.pop(uid, None)
         self._arrival.pop(uid, None)
         if req is None:
             return
         self._records.append(RequestRecord(uid, req.model_id, req.submitted, time.perf_counter(),
-                                           error=None if error is None else str(error)))
+                                           batch_uid=batch_seq, error=None if error is None else str(error)))
 
         def resolve(f=req.future):
             if f.done():
@@ -241,14 +244,14 @@ class Engine:
                 return
             del self._pending[reply.seq]
             try:
-                self._complete(pending)
+                self._complete(reply.seq, pending)
             except Exception:  # noqa: BLE001 - a bug here must not kill the receiver thread
                 log.exception("engine failed handling %s", pending.kind)
                 self._die(f"internal error handling {pending.kind} of {pending.model_id}")
                 return
             self._pump()
 
-    def _complete(self, p: _Pending) -> None:
+    def _complete(self, seq: int, p: _Pending) -> None:
         now = time.perf_counter()
         failures = {r: x for r, x in p.replies.items() if isinstance(x, msg.CommandFailed)}
         times = {r: (x.start, x.end) for r, x in p.replies.items() if hasattr(x, "start")}
@@ -285,25 +288,27 @@ class Engine:
             return
         # a batch
         self._sched.on_batch_done(p.model_id)
-        self._records.append(BatchRecord(p.model_id, p.start, now, len(p.uids), tuple(p.uids), times, error))
+        self._records.append(BatchRecord(p.model_id, p.start, now, len(p.uids), tuple(p.uids), times, error,
+                                         seq=seq))
         if error is not None:
             for uid in p.uids:
-                self._finish(uid, error=WorkerError(f"model {p.model_id!r}: {error}"))
+                self._finish(uid, error=WorkerError(f"model {p.model_id!r}: {error}"), batch_seq=seq)
             return
         out = next(x.output for x in p.replies.values() if getattr(x, "has_output", False))
         try:
             results = self._batch_managers[p.model_id].split_batch(TaskEntry(p.uids, out), **p.info)
         except Exception as exc:  # noqa: BLE001
             for uid in p.uids:
-                self._finish(uid, error=PayloadError(f"model {p.model_id!r}: split_batch failed: {exc}"))
+                self._finish(uid, error=PayloadError(f"model {p.model_id!r}: split_batch failed: {exc}"),
+                             batch_seq=seq)
             return
         answered = set()
         for uid, value in results:
             answered.add(uid)
-            self._finish(uid, value)
+            self._finish(uid, value, batch_seq=seq)
         for uid in set(p.uids) - answered:
             self._finish(uid, error=WorkerError(f"model {p.model_id!r}: split_batch returned no output "
-                                                f"for request {uid}"))
+                                                f"for request {uid}"), batch_seq=seq)
 
     # ---- death and shutdown --------------------------------------------------
     def on_transport_error(self, exc: BaseException) -> None:

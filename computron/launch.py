@@ -21,7 +21,6 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -110,8 +109,10 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="computron-parent-watch", daemon=True).start()
 
 
-def _threads_per_worker(local_world: int) -> int:
-    return max(1, (os.cpu_count() or 1) // local_world)
+def _threads_per_worker(config: EngineConfig, local_world: int) -> int:
+    if config.worker_threads:
+        return config.worker_threads
+    return max(1, ((os.cpu_count() or 1) - 1) // local_world)  # leave a core to the master
 
 
 # ---- spawn mode ---------------------------------------------------------------
@@ -121,7 +122,7 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the master decides when we stop
     _die_with_parent()
     _setup_logging(config, rank)
-    torch.set_num_threads(_threads_per_worker(local_world))
+    torch.set_num_threads(_threads_per_worker(config, local_world))
     try:
         device = _device_for(config, local_rank, local_world)
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
@@ -329,7 +330,7 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     if world != tp * pp:
         raise ValueError(f"WORLD_SIZE={world} from the launcher, but tp_world_size*pp_world_size={tp * pp}")
     _setup_logging(config, rank)
-    torch.set_num_threads(_threads_per_worker(local_world))
+    torch.set_num_threads(_threads_per_worker(config, local_world))
     device = _device_for(config, local_rank, local_world)
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.death_timeout_s))

@@ -37,6 +37,8 @@ class BatchRecord:
     uids: Tuple[int, ...]
     rank_times: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     error: Optional[str] = None
+    seq: Optional[int] = None
+    """The batch's command number; RequestRecord.batch_uid points here."""
     kind: str = "batch"
 
     @property
@@ -55,6 +57,7 @@ class RequestRecord:
     submitted: float
     finished: float
     batch_uid: Optional[int] = None
+    """``seq`` of the BatchRecord that answered it (None if it never reached a batch)."""
     error: Optional[str] = None
     kind: str = "request"
 

@@ -7,6 +7,7 @@ In spawn mode the master is one extra rank after the workers; in attach mode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import List, Optional
 
 
@@ -45,14 +46,18 @@ class Layout:
 class Groups:
     """Process groups, created identically and in the same order on every rank."""
 
+    # The control plane sits idle between requests: its receives must not time out.
+    # (Gloo keeps the timeout in int32 milliseconds in places: stay under ~24 days.)
+    IDLE_TIMEOUT = timedelta(days=20)
+
     def __init__(self, layout: Layout, rank: int, data_backend: str):
         import torch.distributed as dist
         self.layout = layout
         self.rank = rank
         everyone = list(range(layout.world_size))
         workers = list(range(layout.n_workers))
-        self.cmd = dist.new_group(everyone, backend="gloo")
-        self.res = dist.new_group(everyone, backend="gloo")
+        self.cmd = dist.new_group(everyone, backend="gloo", timeout=self.IDLE_TIMEOUT)
+        self.res = dist.new_group(everyone, backend="gloo", timeout=self.IDLE_TIMEOUT)
         self.data = dist.new_group(workers, backend=data_backend)
         self.tp_groups = [dist.new_group(layout.stage_ranks(s), backend=data_backend)
                           for s in range(layout.pp)]

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

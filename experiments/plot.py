@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 STYLE = {"ours": "-", "paper": "--"}
-CV_COLORS = {0.25: "tab:blue", 1: "tab:orange", 1.0: "tab:orange", 4: "tab:green", 4.0: "tab:green"}
+CV_COLORS = {0.25: "tab:blue", 1.0: "tab:orange", 4.0: "tab:green"}  # 1 == 1.0 as dict keys
 RR_FIELDS = ("offload", "load", "model", "overhead", "response")
 MODE_COLORS = {"ours": "tab:blue", "paper": "tab:red"}
 

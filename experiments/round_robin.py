@@ -44,7 +44,7 @@ import time
 from typing import Dict, List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import workload  # noqa: E402  (also applies the worker-thread override in spawned workers)
+import workload  # noqa: E402
 
 FIELDS = ("offload", "load", "model", "response", "overhead")
 
@@ -107,7 +107,7 @@ def attribute(metrics: Sequence, client: Sequence[dict]) -> List[dict]:
         response = c["t_answer"] - c["t_submit"]
         busy = _union_len([(r.start, r.end) for r in own], c["t_submit"], c["t_answer"])
         out.append({
-            "i": c["i"], "uid": rec.uid, "model": rec.model_id, "ok": c["ok"], "error": c.get("error"),
+            "i": c["i"], "uid": rec.uid, "model_id": rec.model_id, "ok": c["ok"], "error": c.get("error"),
             "n_tokens": c.get("n_tokens"), "batch_size": b.batch_size if b is not None else None,
             "submit": c["t_submit"], "answer": c["t_answer"],
             "response": response,
@@ -160,7 +160,7 @@ async def _client(engine, args, prompt) -> List[dict]:
 async def run_mode(mode: str, args) -> dict:
     from computron import LaunchEngine
     mcs = workload.opt_model_configs(args.model_name, args.num_models, args.batch_size, args.dtype)
-    cfg = workload.engine_config(mode, args.max_loaded)
+    cfg = workload.engine_config(mode, args.max_loaded, worker_threads=args.threads)
     t0 = time.perf_counter()
     engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
     launch_s = time.perf_counter() - t0
@@ -215,14 +215,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="intra-op threads per worker (0: the library's default); see workload.py")
+                    help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or workload.default_dtype()
     modes = workload.parse_modes(args.modes)
     if args.num_requests <= args.num_models:
         ap.error(f"-r {args.num_requests}: need more requests than the {args.num_models} warm-up ones")
-    workload.set_worker_threads(args.threads)
 
     results, summary, extra = {}, {}, {}
     for mode in modes:

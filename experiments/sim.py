@@ -27,7 +27,7 @@ import time
 from typing import List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import workload  # noqa: E402  (also applies the worker-thread override in spawned workers)
+import workload  # noqa: E402
 
 
 async def replay(engine, trace: Sequence[Tuple[float, str]], payload: dict, mode: str,
@@ -111,7 +111,7 @@ def summarize(records: Sequence[dict], metrics: Sequence, slo: float) -> dict:
 async def run_mode(mode: str, trace, args, model_ids: List[str]) -> dict:
     from computron import LaunchEngine
     mcs = workload.opt_model_configs(args.model, len(model_ids), args.batch_size, args.dtype)
-    cfg = workload.engine_config(mode, args.max_loaded_resolved)
+    cfg = workload.engine_config(mode, args.max_loaded_resolved, worker_threads=args.threads)
     payload = {"input_ids": workload.make_prompt(args.model), "max_tokens": args.max_tokens}
     t0 = time.perf_counter()
     engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="intra-op threads per worker (0: the library's default); see workload.py")
+                    help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default none)")
     ap.add_argument("--progress-every", type=int, default=50)
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -197,7 +197,6 @@ def main(argv=None) -> dict:
     args.max_loaded_resolved = sc.paper_max_loaded if args.max_loaded == "paper" else int(args.max_loaded)
     args.dtype = args.dtype or workload.default_dtype()
     modes = workload.parse_modes(args.modes)
-    workload.set_worker_threads(args.threads)
 
     rates = tuple(r * args.rate_scale for r in sc.rates)
     model_ids = [f"m{i}" for i in range(sc.n_models)]

@@ -43,15 +43,9 @@ index   rates (req/s per model)   CV     paper max_loaded
 
 Worker threads on CPU
 ---------------------
-``computron.launch`` gives each spawned worker ``os.cpu_count() // workers``
-intra-op threads. On a small, shared CPU machine two OpenMP threads per worker
-made a forward of opt-tiny 40-600x slower than one thread (the threads spin
-against each other and against other processes), so the experiments pin the
-number with ``set_worker_threads(n)``. It exports ``COMPUTRON_EXP_THREADS``;
-spawned workers re-import the experiment's main module, which imports this
-module, which then replaces ``computron.launch._threads_per_worker`` in the
-worker before the worker asks it. Only experiments do this; the library is
-unchanged.
+Both scripts take ``--threads`` (default 1), passed on as
+``EngineConfig.worker_threads``: on a small shared CPU machine, more OpenMP
+threads than free cores made an opt-tiny forward 40-600x slower.
 """
 from __future__ import annotations
 
@@ -60,9 +54,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-
-_THREADS_ENV = "COMPUTRON_EXP_THREADS"
-
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -134,28 +125,6 @@ def make_trace(rates: Sequence[float], cv: float, duration: float, seed: int,
             trace.append((float(t), mid))
     trace.sort()
     return trace
-
-
-# ---- worker threads ----------------------------------------------------------
-
-def set_worker_threads(n: Optional[int]) -> None:
-    """Make workers spawned from now on use ``n`` intra-op threads (None: the library's default)."""
-    if n is None or n <= 0:
-        os.environ.pop(_THREADS_ENV, None)
-        return
-    os.environ[_THREADS_ENV] = str(int(n))
-    _apply_thread_override()
-
-
-def _apply_thread_override() -> None:
-    n = os.environ.get(_THREADS_ENV)
-    if not n:
-        return
-    import computron.launch as launch
-    launch._threads_per_worker = lambda local_world, _n=int(n): _n
-
-
-_apply_thread_override()  # in a spawned worker: runs when the main module is re-imported
 
 
 # ---- small statistics helpers ----------------------------------------------------
