@@ -8,9 +8,12 @@ process), each serving two models of the same size with ``max_loaded=1``;
 requests alternate between the two models, so every request swaps: one offload
 of the resident model, one load of the other, then the forward.
 
-1. ``fast``:  ``EngineConfig(paper_mode=False, overlap=True)`` (the defaults);
-2. ``fast_no_overlap``: ``EngineConfig(paper_mode=False, overlap=False)``;
-3. ``paper``: ``EngineConfig(paper_mode=True)`` (per-tensor ``.to()``, copy-back offload).
+1. ``fast_no_overlap``: ``EngineConfig(paper_mode=False, overlap=False)``;
+2. ``paper``: ``EngineConfig(paper_mode=True)`` (per-tensor ``.to()``, copy-back offload);
+3. ``fast``: ``EngineConfig(paper_mode=False, overlap=True)`` (the defaults).
+
+(``--modes`` picks a subset; each engine's numbers are also logged to stderr
+as soon as it is done, so a run cut short by a timeout still tells them.)
 
 Warm-up: the first cycle (one request to each model: the first load of each,
 and the first offload) is dropped; ``--repeats`` requests follow, each giving
@@ -93,7 +96,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable witho
 from computron import EngineConfig, LaunchEngine, ModelConfig, zoo  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MODES = ("fast", "fast_no_overlap", "paper")
+MODES = ("fast_no_overlap", "paper", "fast")  # most needed first: a run cut short still logged those
 LIMIT_SAMPLES_PER_SWAP = 3
 
 
@@ -253,7 +256,8 @@ def run_engine(mode: str, args, cfgs, make_input, limit: CopyLimit):
         "ttfo_s": median(lat[warm:]),
         "forward_s": median([rank_max(r) for r in batches]),
     }
-    log(f"{mode}: " + ", ".join(f"{k}={v:.4f}" for k, v in res.items() if k != "shard_bytes"))
+    log(f"{mode} engine: " + json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v)
+                                         for k, v in res.items()}))
     return res
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks (run as scripts or with ``python -m benchmarks.<name>``); see README.md."""

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# GPU check of model swapping, for one NVIDIA GPU (sized for an H200: ~141 GB device, 128 GB host).
+#
+# Steps (each under `timeout`; the whole run stays under GPU_CHECK_BUDGET_S, default 470 s):
+#   1. nvidia-smi -L, torch / CUDA / transformers versions          -> one JSON line
+#   2. host<->device copy_ bandwidth of 4 GiB, pageable and pinned  -> one JSON line
+#   3. benchmarks/swap.py --model opt-6.7b --dtype float16 --tp 1 --repeats 3
+#      (~13.3 GB of fp16 weights; fast and paper engines in one run) -> one JSON line
+# Every JSON line is appended to ${OUT:-.}/gpu_results.jsonl; swap.py's progress log goes to
+# ${OUT:-.}/swap_opt-6.7b.log (its per-engine lines survive a timeout).
+#
+# Run from the repository root, nothing to install (torch + transformers preinstalled, no network):
+#   bash benchmarks/gpu_check.sh
+# A step that fails or times out is reported and the next one still runs; the exit status is 1
+# if any step failed.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT_DIR="${OUT:-.}"
+mkdir -p "$OUT_DIR"
+RESULTS="$OUT_DIR/gpu_results.jsonl"
+SWAP_LOG="$OUT_DIR/swap_opt-6.7b.log"
+PY="${PYTHON:-python3}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+failed=()
+step() { echo "== $(date +%T) [${SECONDS}s] $*" >&2; }
+# seconds left for a step: its own cap, or less when the total budget is nearly spent
+left() {
+    local cap=$1 rest=$((BUDGET_S - SECONDS - 5))
+    if ((rest < cap)); then cap=$rest; fi
+    if ((cap < 1)); then cap=1; fi
+    echo "$cap"
+}
+
+step "devices"
+if ! timeout "$(left 20)" nvidia-smi -L; then failed+=("nvidia-smi"); fi
+timeout "$(left 20)" nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv >&2 || true
+
+step "versions"
+if ! timeout "$(left 60)" "$PY" - <<'EOF' | tee -a "$RESULTS"
+import json, os, platform
+import torch, transformers
+print(json.dumps({
+    "check": "versions", "torch": torch.__version__, "cuda": torch.version.cuda,
+    "cudnn": torch.backends.cudnn.version(), "transformers": transformers.__version__,
+    "python": platform.python_version(), "cuda_available": torch.cuda.is_available(),
+    "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    "cpus": os.cpu_count(),
+}))
+EOF
+then failed+=("versions"); fi
+
+step "host<->device copy_ bandwidth, 4 GiB"
+if ! timeout "$(left 90)" "$PY" - <<'EOF' | tee -a "$RESULTS"
+import json, statistics, time
+import torch
+
+n = 4 * 2**30
+dev = torch.device("cuda")
+
+
+def gbps(fn, reps=5):
+    fn()  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return round(n / statistics.median(times) / 1e9, 2)
+
+
+res = {"check": "copy_bandwidth", "bytes": n, "torch": torch.__version__,
+       "device": torch.cuda.get_device_name(0)}
+d = torch.empty(n, dtype=torch.uint8, device=dev).fill_(0)
+pageable = torch.empty(n, dtype=torch.uint8).fill_(1)  # touched: no page faults in the copies
+res["h2d_pageable_gbps"] = gbps(lambda: d.copy_(pageable))
+res["d2h_pageable_gbps"] = gbps(lambda: pageable.copy_(d))
+t0 = time.perf_counter()
+pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+res["pin_alloc_s"] = round(time.perf_counter() - t0, 3)
+pinned.fill_(1)
+res["h2d_pinned_gbps"] = gbps(lambda: d.copy_(pinned, non_blocking=True))
+res["d2h_pinned_gbps"] = gbps(lambda: pinned.copy_(d, non_blocking=True))
+# the paper's offload: device -> a fresh pageable host tensor each time (allocation + page faults)
+res["d2h_fresh_pageable_gbps"] = gbps(lambda: d.to("cpu"), reps=3)
+print(json.dumps(res))
+EOF
+then failed+=("copy_bandwidth"); fi
+
+step "swap benchmark: opt-6.7b float16, tp=1, repeats=3 (log: $SWAP_LOG)"
+if ! timeout -k 20 "$(left 460)" "$PY" -m benchmarks.swap --model opt-6.7b --dtype float16 --tp 1 --repeats 3 \
+        2> >(tee -a "$SWAP_LOG" >&2) | tee -a "$RESULTS"; then
+    failed+=("swap")
+    sleep 1  # let the log's tee catch up
+    echo "swap step failed or timed out; per-engine results so far:" >&2
+    grep ' engine: ' "$SWAP_LOG" >&2 || true
+fi
+
+step "done in ${SECONDS}s; results in $RESULTS"
+if ((${#failed[@]})); then
+    echo "failed steps: ${failed[*]}" >&2
+    exit 1
+fi
