@@ -28,9 +28,9 @@ Fields (times in seconds, bandwidths in GB/s with GB = 1e9 bytes):
 - ``limit_gbps``: the memory-copy limit: ``model bytes / (tp*pp)`` bytes (in
   the model's dtype) copied with a plain ``dst.copy_(src)`` between tensors
   allocated and touched beforehand, in this (the master) process: on CPU, CPU
-  tensor into CPU tensor, with as many torch threads as a worker gets
-  (``cpu_count // (tp*pp)``); on CUDA, pinned host tensor into a device tensor,
-  ``torch.cuda.synchronize()`` before and after. One copy at a time: with
+  tensor into CPU tensor, with as many torch threads as a worker gets (the
+  launcher's choice, ``limit_threads``); on CUDA, pinned host tensor into a
+  device tensor, ``torch.cuda.synchronize()`` before and after. One copy at a time: with
   ``tp*pp > 1`` this is the bandwidth one rank gets copying alone (per rank,
   not the aggregate of all ranks copying at once), which is what ``load_gbps``
   is compared with. The copies are timed right after each measured request
@@ -291,6 +291,18 @@ def parse_args(argv=None):
     return args
 
 
+def worker_threads(n_workers: int) -> int:
+    """The torch threads each worker gets, as the launcher picks them (so the limit copy uses as many)."""
+    from computron import launch
+    pick = getattr(launch, "_threads_per_worker", None)
+    if pick is not None:
+        try:
+            return pick(EngineConfig(), n_workers)
+        except TypeError:  # an older launcher: _threads_per_worker(local_world)
+            return pick(n_workers)
+    return max(1, (os.cpu_count() or 1) // n_workers)
+
+
 def ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
@@ -304,7 +316,7 @@ def main(argv=None) -> dict:
     log(f"model {desc} {args.dtype}: {total / 1e9:.3f} GB, device={args.device}, torch {torch.__version__}")
 
     shard = total // n  # the limit copy's size (the workers report the real shards later)
-    threads = max(1, (os.cpu_count() or 1) // n)  # what each worker gets (launch._threads_per_worker)
+    threads = worker_threads(n)
     log(f"limit: copy_ of {shard / 1e9:.3f} GB into preallocated memory ({args.device}, {threads} threads)")
     torch.set_num_threads(threads)  # for the whole master process, which computes nothing else
     limit = CopyLimit(shard, _DTYPES[args.dtype], args.device)
@@ -334,7 +346,7 @@ def main(argv=None) -> dict:
         "tp": args.tp, "pp": args.pp, "device": args.device, "torch": torch.__version__,
         "repeats": args.repeats,
         "limit_gbps": limit_gbps, "limit_samples": limit.count(*limit_phases),
-        "limit_all_gbps": limit.gbps(), "load_engine": primary,
+        "limit_all_gbps": limit.gbps(), "limit_threads": threads, "load_engine": primary,
         "load_s": load_s, "load_gbps": load_gbps, "offload_s": offload_s,
         "paper_load_s": pl, "paper_offload_s": po,
         "load_vs_limit": ratio(load_gbps, limit_gbps),

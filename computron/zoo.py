@@ -70,6 +70,7 @@ def random_causal_lm(name: str, seed: int = 0, dtype: str = "float32", fast_init
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     model = model.to_empty(device="cpu").to(_DTYPES[dtype])
+    model.tie_weights()  # to_empty gave every parameter its own storage: share lm_head again
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
