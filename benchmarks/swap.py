@@ -30,10 +30,12 @@ Fields (times in seconds, bandwidths in GB/s with GB = 1e9 bytes):
   allocated and touched beforehand, in this (the master) process: on CPU, CPU
   tensor into CPU tensor, with as many torch threads as a worker gets (the
   launcher's choice, ``limit_threads``); on CUDA, pinned host tensor into a
-  device tensor, ``torch.cuda.synchronize()`` before and after. One copy at a time: with
-  ``tp*pp > 1`` this is the bandwidth one rank gets copying alone (per rank,
-  not the aggregate of all ranks copying at once), which is what ``load_gbps``
-  is compared with. The copies are timed right after each measured request
+  device tensor, ``torch.cuda.synchronize()`` before and after. On CPU with
+  ``tp*pp > 1`` the ranks share one memory system, and every rank loads its
+  shard at the same moment: the limit is then ``tp*pp`` such copies run at
+  once (one thread each) and ``limit_gbps`` is the bandwidth each of them got,
+  which is what ``load_gbps`` (per rank) is compared with. On CUDA each rank
+  has its own link, so one copy is timed. The copies are timed right after each measured request
   (3 each; the workers are idle then), and ``limit_gbps`` is the median of the
   ``limit_samples`` copies timed in the engine ``load_s`` comes from
   (``load_engine``), so that limit and load see the same background load: on a
@@ -86,6 +88,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -167,16 +170,17 @@ class CopyLimit:
     measured under the same background load as the swaps it is compared with.
     """
 
-    def __init__(self, nbytes: int, dtype: torch.dtype, device: str):
+    def __init__(self, nbytes: int, dtype: torch.dtype, device: str, ranks: int = 1):
         self.device = device
         n = nbytes // dtype.itemsize
         self.nbytes = n * dtype.itemsize
+        self.ranks = 1 if device == "cuda" else ranks  # CPU ranks share the memory bus: copy together
         if device == "cuda":
-            self.src = torch.empty(n, dtype=dtype, pin_memory=True).fill_(1)
-            self.dst = torch.empty(n, dtype=dtype, device="cuda").zero_()
+            self.pairs = [(torch.empty(n, dtype=dtype, pin_memory=True).fill_(1),
+                           torch.empty(n, dtype=dtype, device="cuda").zero_())]
         else:
-            self.src = torch.empty(n, dtype=dtype).fill_(1)
-            self.dst = torch.empty(n, dtype=dtype).fill_(0)
+            self.pairs = [(torch.empty(n, dtype=dtype).fill_(1), torch.empty(n, dtype=dtype).fill_(0))
+                          for _ in range(self.ranks)]
         self.samples = {}  # phase -> seconds of each copy
         self.sample(None)  # warm-up
 
@@ -187,7 +191,15 @@ class CopyLimit:
     def sample(self, phase) -> float:
         self.sync()
         t0 = time.perf_counter()
-        self.dst.copy_(self.src, non_blocking=True)
+        if self.ranks == 1:
+            dst, src = self.pairs[0]
+            dst.copy_(src, non_blocking=True)
+        else:  # copy_ releases the GIL: the threads copy in parallel like the ranks do
+            threads = [threading.Thread(target=d.copy_, args=(s,)) for s, d in self.pairs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         self.sync()
         dt = time.perf_counter() - t0
         if phase is not None:
@@ -319,7 +331,7 @@ def main(argv=None) -> dict:
     threads = worker_threads(n)
     log(f"limit: copy_ of {shard / 1e9:.3f} GB into preallocated memory ({args.device}, {threads} threads)")
     torch.set_num_threads(threads)  # for the whole master process, which computes nothing else
-    limit = CopyLimit(shard, _DTYPES[args.dtype], args.device)
+    limit = CopyLimit(shard, _DTYPES[args.dtype], args.device, ranks=n)
     for _ in range(args.repeats):
         limit.sample("before")
     log(f"limit: {limit.gbps('before'):.2f} GB/s before the engines start")
@@ -346,7 +358,7 @@ def main(argv=None) -> dict:
         "tp": args.tp, "pp": args.pp, "device": args.device, "torch": torch.__version__,
         "repeats": args.repeats,
         "limit_gbps": limit_gbps, "limit_samples": limit.count(*limit_phases),
-        "limit_all_gbps": limit.gbps(), "limit_threads": threads, "load_engine": primary,
+        "limit_all_gbps": limit.gbps(), "limit_threads": threads, "limit_concurrent_copies": limit.ranks, "load_engine": primary,
         "load_s": load_s, "load_gbps": load_gbps, "offload_s": offload_s,
         "paper_load_s": pl, "paper_offload_s": po,
         "load_vs_limit": ratio(load_gbps, limit_gbps),
