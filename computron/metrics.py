@@ -5,8 +5,23 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 
+class _Timed:
+    """Master-side ``start``/``end`` and per-rank ``rank_times`` of a command sent to every worker."""
+    start: float
+    end: float
+    rank_times: Dict[int, Tuple[float, float]]
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def rank_durations(self) -> Dict[int, float]:
+        return {r: b - a for r, (a, b) in self.rank_times.items()}
+
+
 @dataclass(frozen=True)
-class SwapRecord:
+class SwapRecord(_Timed):
     kind: str  # "load" or "offload"
     model_id: str
     start: float  # master clock (time.perf_counter) when the command was sent
@@ -19,17 +34,10 @@ class SwapRecord:
     """Per rank, bytes held on its device right after the command."""
     error: Optional[str] = None
 
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def rank_durations(self) -> Dict[int, float]:
-        return {r: b - a for r, (a, b) in self.rank_times.items()}
 
 
 @dataclass(frozen=True)
-class BatchRecord:
+class BatchRecord(_Timed):
     model_id: str
     start: float
     end: float
@@ -41,13 +49,6 @@ class BatchRecord:
     """The batch's command number; RequestRecord.batch_uid points here."""
     kind: str = "batch"
 
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def rank_durations(self) -> Dict[int, float]:
-        return {r: b - a for r, (a, b) in self.rank_times.items()}
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,7 @@ class ShardStore(_StoreBase):
     def _copy(self, ready: _Readiness, t0: float, on_done) -> None:
         try:
             if self.cuda:
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0
                 with torch.cuda.stream(self.copy_stream):
                     for i, ranges in enumerate(self._ranges):
                         for dt, a, b in ranges:

@@ -70,6 +70,8 @@ class Worker:
 
     # ---- the command loop ----------------------------------------------------
     def serve(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # attach mode runs worker 0 in a thread of its own
         while True:
             cmd = self.channel.recv()
             if isinstance(cmd, msg.Shutdown):

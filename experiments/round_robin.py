@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
@@ -249,10 +248,7 @@ def main(argv=None) -> dict:
           f"r={args.num_requests} max_tokens={args.max_tokens}")
     print_table(summary, modes)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.out}", file=sys.stderr)
+        workload.write_json(args.out, doc)
     return doc
 
 

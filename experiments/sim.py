@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import sys
 import time
@@ -224,10 +223,7 @@ def main(argv=None) -> dict:
            "summary": summary, "timing": timing, "engine_records": engine_records}
     print_summary(doc)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.out}", file=sys.stderr)
+        workload.write_json(args.out, doc)
     return doc
 
 

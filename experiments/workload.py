@@ -49,7 +49,9 @@ threads than free cores made an opt-tiny forward 40-600x slower.
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -183,3 +185,10 @@ def parse_modes(s: str) -> List[str]:
     if not modes or bad:
         raise ValueError(f"--modes {s!r}: a comma-separated list of 'ours' and 'paper'")
     return modes
+
+
+def write_json(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
