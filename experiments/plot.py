@@ -22,6 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 STYLE = {"ours": "-", "paper": "--"}
 CV_COLORS = {0.25: "tab:blue", 1.0: "tab:orange", 4.0: "tab:green"}  # 1 == 1.0 as dict keys
@@ -36,6 +37,18 @@ def _load(path: str) -> dict:
 
 def _num(x):
     return int(x) if float(x).is_integer() else round(x, 3)
+
+
+def _plain(v, _pos=None) -> str:
+    return f"{v:g}"
+
+
+def _plain_minor(v, _pos=None) -> str:
+    """Label the 2x, 3x and 5x minor ticks of a log axis in plain numbers, leave the rest blank."""
+    if v <= 0:
+        return ""
+    mant = v / 10 ** np.floor(np.log10(v))
+    return f"{v:g}" if int(round(mant)) in (2, 3, 5) else ""
 
 
 def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
@@ -62,6 +75,10 @@ def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
                 ax.step(lat, y, where="post", linestyle=STYLE.get(mode, ":"), color=CV_COLORS.get(cv, None),
                         label=f"CV {_num(cv)} {mode}")
         ax.set_xscale("log")
+        # plain numbers: matplotlib's default minor labels (3x10^-1, 4x10^-1) collide on a narrow log range
+        ax.xaxis.set_major_formatter(FuncFormatter(_plain))
+        ax.xaxis.set_minor_formatter(FuncFormatter(_plain_minor))
+        ax.tick_params(axis="x", which="minor", labelsize=8)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("latency (s)")
         ax.set_ylabel("fraction of requests")
@@ -97,14 +114,15 @@ def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
         ax.set_xticks(x, ["offload", "load", "model", "engine\noverhead", "response"], fontsize=8)
         ax.set_ylabel("mean ms per request")
         warm = summ[modes[0]]["warmup_dropped"] if modes else 0
-        ax.set_title(f"{c['model_name']} x{c['num_models']} TP={c['tp_world_size']} PP={c['pp_world_size']} "
+        ml = f" max_loaded={c['max_loaded']}" if "max_loaded" in c else ""
+        ax.set_title(f"{c['model_name']} x{c['num_models']} TP={c['tp_world_size']} PP={c['pp_world_size']}{ml} "
                      f"{'blocking' if c['blocking'] else 'all at once'}\nmax_tokens={c['max_tokens']}, "
                      f"first {warm} requests dropped", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("round robin, max_loaded=1: where a request's time goes", fontsize=10)
+    fig.suptitle("round robin: where a request's time goes (mean per request)", fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, "rr_breakdown.png")
     fig.savefig(path, dpi=110)

@@ -93,13 +93,13 @@ def attribute(metrics: Sequence, client: Sequence[dict]) -> List[dict]:
             if b.model_id == s.model_id and b.end >= s.end:
                 load_of_batch.setdefault(id(b), []).append(s)
                 break
-    batch_of_uid = {u: b for b in batches for u in b.uids}
+    batch_of_seq = {b.seq: b for b in batches}
     out = []
     for rec, c in zip(reqs, by_submit):
         if rec.model_id != c["model"]:
             raise RuntimeError(f"request order mismatch: engine uid {rec.uid} is {rec.model_id}, "
                                f"client request {c['i']} is {c['model']}")
-        b = batch_of_uid.get(rec.uid)
+        b = batch_of_seq.get(rec.batch_uid) if rec.batch_uid is not None else None
         loads = load_of_batch.get(id(b), []) if b is not None else []
         offs = [o for ld in loads for o in evictions.get(id(ld), [])]
         own = loads + offs + ([b] if b is not None else [])

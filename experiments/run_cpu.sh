@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU runs behind the tables in experiments/README.md (about 7 minutes on a 2-core machine).
+# The CPU runs behind the tables in experiments/README.md (about 4 minutes on a 2-core machine).
 # Usage: experiments/run_cpu.sh [python]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -65,14 +65,14 @@ async def replay(engine, trace: Sequence[Tuple[float, str]], payload: dict, mode
 def build_records(client: Sequence[dict], metrics: Sequence, t_start: float, n_warmup: int) -> List[dict]:
     reqs = sorted((r for r in metrics if r.kind == "request"), key=lambda r: r.uid)[n_warmup:]
     by_submit = sorted(client, key=lambda c: c["t_submit"])
-    batch_of = {u: b for b in metrics if b.kind == "batch" for u in b.uids}
+    batch_of_seq = {b.seq: b for b in metrics if b.kind == "batch"}
     if len(reqs) != len(by_submit):
         raise RuntimeError(f"engine recorded {len(reqs)} requests, the client sent {len(by_submit)}")
     out = []
     for rec, c in zip(reqs, by_submit):
         if rec.model_id != c["model"]:
             raise RuntimeError(f"request order mismatch at engine uid {rec.uid}")
-        b = batch_of.get(rec.uid)
+        b = batch_of_seq.get(rec.batch_uid) if rec.batch_uid is not None else None
         out.append({
             "i": c["i"], "uid": rec.uid, "model": c["model"], "ok": c["ok"], "error": c["error"],
             "n_tokens": c.get("n_tokens"),
@@ -134,12 +134,12 @@ def _raw(rec, t0: float) -> dict:
     """An engine record as JSON, times relative to the start of the trace."""
     d = {"kind": rec.kind, "model_id": rec.model_id}
     if rec.kind == "request":
-        d.update(uid=rec.uid, start=rec.submitted - t0, end=rec.finished - t0)
+        d.update(uid=rec.uid, batch_uid=rec.batch_uid, start=rec.submitted - t0, end=rec.finished - t0)
     else:
         d.update(start=rec.start - t0, end=rec.end - t0,
                  rank_times={str(k): [a - t0, b - t0] for k, (a, b) in rec.rank_times.items()})
         if rec.kind == "batch":
-            d.update(uids=list(rec.uids), batch_size=rec.batch_size)
+            d.update(seq=rec.seq, uids=list(rec.uids), batch_size=rec.batch_size)
     if rec.error:
         d["error"] = rec.error
     return d

@@ -128,12 +128,12 @@ def test_round_robin_attribution_sequential():
 
     metrics = [
         SwapRecord("load", "m0", 1.00, 1.10),
-        BatchRecord("m0", 1.11, 1.20, 1, (0,)),
-        RequestRecord(0, "m0", 1.00, 1.201),
+        BatchRecord("m0", 1.11, 1.20, 1, (0,), seq=2),
+        RequestRecord(0, "m0", 1.00, 1.201, batch_uid=2),
         SwapRecord("offload", "m0", 2.00, 2.05),
         SwapRecord("load", "m1", 2.06, 2.16),
-        BatchRecord("m1", 2.17, 2.30, 1, (1,)),
-        RequestRecord(1, "m1", 2.00, 2.301),
+        BatchRecord("m1", 2.17, 2.30, 1, (1,), seq=5),
+        RequestRecord(1, "m1", 2.00, 2.301, batch_uid=5),
     ]
     client = [{"i": 0, "model": "m0", "ok": True, "t_submit": 0.999, "t_answer": 1.202},
               {"i": 1, "model": "m1", "ok": True, "t_submit": 1.999, "t_answer": 2.302}]
@@ -155,8 +155,8 @@ def test_round_robin_attribution_overlapped():
     metrics = [
         SwapRecord("offload", "m0", 2.00, 2.01),
         SwapRecord("load", "m1", 2.01, 2.10),
-        BatchRecord("m1", 2.011, 2.20, 1, (0,)),
-        RequestRecord(0, "m1", 2.00, 2.201),
+        BatchRecord("m1", 2.011, 2.20, 1, (0,), seq=1),
+        RequestRecord(0, "m1", 2.00, 2.201, batch_uid=1),
     ]
     client = [{"i": 0, "model": "m1", "ok": True, "t_submit": 1.9995, "t_answer": 2.2015}]
     (r,) = round_robin.attribute(metrics, client)
