@@ -137,7 +137,9 @@ def summarize(records: Sequence[dict], warmup: int) -> dict:
     return s
 
 
-async def _client(engine, args, prompt) -> List[dict]:
+async def _client(engine, args, prompt, mode: str) -> List[dict]:
+    progress = workload.Progress(mode, args.num_requests, args.progress_every)
+
     async def one(i):
         mid = f"m{i % args.num_models}"
         rec = {"i": i, "model": mid, "ok": True}
@@ -148,6 +150,7 @@ async def _client(engine, args, prompt) -> List[dict]:
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
             rec["ok"], rec["error"] = False, f"{type(exc).__name__}: {exc}"
         rec["t_answer"] = time.perf_counter()
+        progress.tick()
         return rec
 
     if args.blocking:
@@ -167,7 +170,7 @@ async def run_mode(mode: str, args) -> dict:
     load_before = os.getloadavg()
     async with engine:
         t1 = time.perf_counter()
-        client = await _client(engine, args, prompt)
+        client = await _client(engine, args, prompt, mode)
         wall = time.perf_counter() - t1
         metrics = engine.metrics()
     records = attribute(metrics, client)
@@ -213,6 +216,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=8, help="OPTBatchManager max_batch_size")
     ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
+    ap.add_argument("--progress-every", type=int, default=10, help="a progress line on stderr every N answers")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--out", default=None, help="JSON file to write")

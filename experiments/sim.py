@@ -32,12 +32,10 @@ import workload  # noqa: E402
 async def replay(engine, trace: Sequence[Tuple[float, str]], payload: dict, mode: str,
                  progress_every: int, timeout=None) -> Tuple[List[dict], float]:
     """Submit each request of ``trace`` at its time; return the client records and the start time."""
-    done = 0
     t_start = time.perf_counter()
-    n = len(trace)
+    progress = workload.Progress(mode, len(trace), progress_every)
 
     async def one(i, t, mid):
-        nonlocal done
         rec = {"i": i, "model": mid, "arrival": t, "ok": True, "error": None}
         rec["t_submit"] = time.perf_counter()
         try:
@@ -46,11 +44,7 @@ async def replay(engine, trace: Sequence[Tuple[float, str]], payload: dict, mode
         except Exception as exc:  # noqa: BLE001 - recorded; the replay goes on
             rec["ok"], rec["error"] = False, f"{type(exc).__name__}: {exc}"
         rec["t_answer"] = time.perf_counter()
-        done += 1
-        if progress_every and (done % progress_every == 0 or done == n):
-            el = rec["t_answer"] - t_start
-            print(f"[{mode}] {done}/{n} answered, {el:.1f}s elapsed, {done / el:.2f} req/s",
-                  file=sys.stderr, flush=True)
+        progress.tick()
         return rec
 
     tasks = []

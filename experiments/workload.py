@@ -192,3 +192,21 @@ def write_json(path: str, doc: dict) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}", file=sys.stderr)
+
+
+class Progress:
+    """A line on stderr every ``every`` answers (and at the last): count, elapsed time, throughput."""
+
+    def __init__(self, mode: str, total: int, every: int):
+        import time
+        self._clock = time.perf_counter
+        self.mode, self.total, self.every = mode, total, every
+        self.done = 0
+        self.start = self._clock()
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.every and (self.done % self.every == 0 or self.done == self.total):
+            el = self._clock() - self.start
+            print(f"[{self.mode}] {self.done}/{self.total} answered, {el:.1f}s elapsed, "
+                  f"{self.done / el:.2f} req/s", file=sys.stderr, flush=True)
