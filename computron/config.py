@@ -42,6 +42,8 @@ class EngineConfig:
     On a small shared CPU more threads than free cores make OpenMP spin against
     the master and each other (seen here: 40x slower forwards with 2 threads on 2 cores).
     """
+    metrics_history: int = 1_000_000
+    """How many records ``Engine.metrics()`` keeps (the oldest go first); 0 keeps all."""
     start_timeout_s: float = 300.0
     """How long LaunchEngine waits for every worker to build its models and report ready."""
     death_timeout_s: float = 600.0
@@ -65,6 +67,8 @@ class EngineConfig:
             _fail(c, "device", self.device, f"must be one of {_DEVICES} or None")
         if not isinstance(self.worker_threads, int) or self.worker_threads < 0:
             _fail(c, "worker_threads", self.worker_threads, "must be an int >= 0 (0 = automatic)")
+        if not isinstance(self.metrics_history, int) or self.metrics_history < 0:
+            _fail(c, "metrics_history", self.metrics_history, "must be an int >= 0 (0 = keep all)")
         for name in ("start_timeout_s", "death_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:

@@ -71,7 +71,7 @@ class Engine:
         self._lock = threading.RLock()
         self._uids = itertools.count()
         self._seqs = itertools.count()
-        self._records: List[Any] = []
+        self._records: Deque[Any] = deque(maxlen=config.metrics_history or None)
         self._dead: Optional[str] = None
         self._closed = threading.Event()
         self.workers: Dict[int, msg.WorkerReady] = {}
@@ -86,7 +86,8 @@ class Engine:
             return {m: self._sched.state(m).value for m in self._queues}
 
     def metrics(self, kind: Optional[str] = None) -> List[Any]:
-        """Records of every load, offload, batch and request so far (oldest first)."""
+        """Records of the loads, offloads, batches and requests so far, oldest first
+        (the last ``EngineConfig.metrics_history`` of them)."""
         with self._lock:
             return [r for r in self._records if kind is None or r.kind == kind]
 
@@ -150,9 +151,10 @@ class Engine:
             queue = self._queues.get(model_id)
             if queue is None:
                 raise UnknownModelError(model_id, self._queues)
+            validate = getattr(self._batch_managers[model_id], "validate", None)  # optional for ported managers
             try:
-                self._batch_managers[model_id].validate(data) if hasattr(
-                    self._batch_managers[model_id], "validate") else None
+                if validate is not None:
+                    validate(data)
             except (ValueError, TypeError, KeyError) as exc:
                 raise PayloadError(f"model {model_id!r}: malformed request: {exc}") from None
             if self.config.queue_size and len(queue) >= self.config.queue_size:
