@@ -23,7 +23,7 @@ class EngineConfig:
     queue_size: int = 0
     """Per-model bound on waiting requests; 0 means unbounded. Over it: QueueFullError."""
     max_batch_size: int = 0
-    """Hint passed to batch managers that take one; 0 leaves it to the batch manager."""
+    """Batch size of the OPTBatchManager a causal LM gets when its ModelConfig names none; 0 means 8."""
     backend: Optional[str] = None
     """Data-plane backend: 'gloo' or 'nccl'; None picks nccl where CUDA exists, else gloo."""
     device: Optional[str] = None
@@ -47,7 +47,8 @@ class EngineConfig:
     start_timeout_s: float = 300.0
     """How long LaunchEngine waits for every worker to build its models and report ready."""
     death_timeout_s: float = 600.0
-    """torch.distributed timeout for collectives; also bounds a wait on a silent peer."""
+    """Timeout of the data plane's collectives (TP, PP) and of the rendezvous: how long a rank waits
+    for a silent peer before it fails. The control plane itself waits indefinitely between requests."""
 
     def __post_init__(self):
         c = "EngineConfig"
@@ -99,7 +100,7 @@ class ModelConfig:
     batch_manager: Any = None
     """A BatchManager; None makes batches of one request."""
     pipelinable: bool = True
-    """Kept for the paper's API: whether the model may be split into pipeline stages."""
+    """Whether the model may be split into pipeline stages (the paper's flag); False with pp > 1 fails the launch."""
     tp_plan: Optional[Dict[str, Any]] = None
     """A torch.distributed.tensor.parallel plan (module path -> ParallelStyle) for custom modules."""
     mutable_buffers: Sequence[str] = ()

@@ -19,6 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 from . import messages as msg
 from .batch import BatchManager, SubmitEntry, TaskEntry, take_batch
+from .generation import OPTBatchManager
 from .config import EngineConfig, ModelConfig
 from .errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
                      WorkerError)
@@ -51,15 +52,17 @@ class _Pending:
 
 class Engine:
     def __init__(self, config: EngineConfig, model_configs: List[ModelConfig], layout, channel,
-                 on_close: Optional[Callable[[], None]] = None):
+                 workers: List[msg.WorkerReady], on_close: Optional[Callable[[bool], None]] = None):
         self.config = config
         self.layout = layout
         self.n_workers = layout.n_workers
+        self.workers: Dict[int, msg.WorkerReady] = {w.rank: w for w in workers}
+        """What each worker reported when it became ready (pid, host, device, shard sizes)."""
         self._channel = channel
         self._on_close = on_close
-        self._batch_managers = {mc.model_id: mc.batch_manager or BatchManager() for mc in model_configs}
+        self._batch_managers = {mc.model_id: mc.batch_manager or self._default_batch_manager(mc.model_id)
+                                for mc in model_configs}
         self._queues: Dict[str, Deque[SubmitEntry]] = {mc.model_id: deque() for mc in model_configs}
-        self._arrival: Dict[int, float] = {}
         self._requests: Dict[int, _Request] = {}
         self._pending: Dict[int, _Pending] = {}
         paper = config.paper_mode
@@ -73,8 +76,15 @@ class Engine:
         self._seqs = itertools.count()
         self._records: Deque[Any] = deque(maxlen=config.metrics_history or None)
         self._dead: Optional[str] = None
-        self._closed = threading.Event()
-        self.workers: Dict[int, msg.WorkerReady] = {}
+        self._closed = threading.Event()  # close() ran
+        self._stopped = threading.Event()  # closed or dead: run() returns
+
+    def _default_batch_manager(self, model_id: str):
+        """Causal LMs get an OPTBatchManager for their token ids; anything else batches of one."""
+        info = next((w.batching[model_id] for w in self.workers.values() if model_id in w.batching), None)
+        if info is None:
+            return BatchManager()
+        return OPTBatchManager(max_batch_size=self.config.max_batch_size or 8, **info)
 
     # ---- public API ----------------------------------------------------------
     @property
@@ -118,8 +128,15 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def run(self) -> None:
-        """Block the calling thread until the engine is shut down (a server's main loop)."""
-        self._closed.wait()
+        """Block the calling thread until the engine is shut down (a server's main loop).
+
+        Raises EngineDeadError if it ended because a worker died (after shutting the rest down).
+        """
+        self._stopped.wait()
+        dead = self._dead if not self._closed.is_set() else None
+        self.close()
+        if dead is not None:
+            raise EngineDeadError(dead)
 
     def stats(self, timeout: float = 60.0) -> Dict[int, msg.Stats]:
         """Every worker's device memory accounting, asked for and answered through the control plane."""
@@ -155,7 +172,7 @@ class Engine:
             try:
                 if validate is not None:
                     validate(data)
-            except (ValueError, TypeError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever the batch manager objects to
                 raise PayloadError(f"model {model_id!r}: malformed request: {exc}") from None
             if self.config.queue_size and len(queue) >= self.config.queue_size:
                 raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
@@ -163,7 +180,6 @@ class Engine:
             uid = next(self._uids)
             now = time.perf_counter()
             self._requests[uid] = _Request(uid, model_id, fut, loop, now)
-            self._arrival[uid] = now
             queue.append(SubmitEntry(uid, data))
             self._pump()
             return uid
@@ -178,11 +194,11 @@ class Engine:
                 if e.uid == uid:
                     q.remove(e)
                     break
+            self._pump()  # an emptied queue may change what comes next
 
     def _finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None,
                  batch_seq: Optional[int] = None) -> None:
         req = self._requests.pop(uid, None)
-        self._arrival.pop(uid, None)
         if req is None:
             return
         self._records.append(RequestRecord(uid, req.model_id, req.submitted, time.perf_counter(),
@@ -204,7 +220,7 @@ class Engine:
     def _pump(self) -> None:
         """Act on the scheduler's decisions until it has nothing more to do. Caller holds the lock."""
         while self._dead is None and not self._closed.is_set():
-            heads = {m: self._arrival[q[0].uid] for m, q in self._queues.items() if q}
+            heads = {m: self._requests[q[0].uid].submitted for m, q in self._queues.items() if q}
             actions = self._sched.decide(heads)
             if not actions:
                 return
@@ -234,24 +250,28 @@ class Engine:
 
     # ---- replies from workers (receiver thread) ------------------------------
     def on_reply(self, reply: Any) -> None:
+        """Called on the transport's receiver thread (or a worker thread in attach mode) for every reply."""
         with self._lock:
-            if isinstance(reply, (msg.WorkerReady, msg.WorkerStartFailed)):
-                return  # handled by the launcher before the engine exists
-            pending = self._pending.get(reply.seq)
-            if pending is None:
-                log.warning("reply for unknown command %s", reply)
-                return
-            pending.replies[reply.rank] = reply
-            if len(pending.replies) < self.n_workers:
-                return
-            del self._pending[reply.seq]
             try:
-                self._complete(reply.seq, pending)
-            except Exception:  # noqa: BLE001 - a bug here must not kill the receiver thread
-                log.exception("engine failed handling %s", pending.kind)
-                self._die(f"internal error handling {pending.kind} of {pending.model_id}")
-                return
-            self._pump()
+                self._on_reply_locked(reply)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not silently kill the receiver thread
+                log.exception("engine failed handling %s", reply)
+                self._die(f"internal error handling {type(reply).__name__}: {type(exc).__name__}: {exc}")
+
+    def _on_reply_locked(self, reply: Any) -> None:
+        if isinstance(reply, (msg.WorkerReady, msg.WorkerStartFailed)):
+            return  # handled by the launcher before the engine exists
+        pending = self._pending.get(reply.seq)
+        if pending is None:  # after close() or death, late replies have nobody waiting
+            if not self._stopped.is_set():
+                log.warning("reply for unknown command %s", reply)
+            return
+        pending.replies[reply.rank] = reply
+        if len(pending.replies) < self.n_workers:
+            return
+        del self._pending[reply.seq]
+        self._complete(reply.seq, pending)
+        self._pump()
 
     def _complete(self, seq: int, p: _Pending) -> None:
         now = time.perf_counter()
@@ -286,6 +306,8 @@ class Engine:
                 "offload", p.model_id, p.start, now, times,
                 device_bytes={r: x.device_bytes for r, x in p.replies.items() if hasattr(x, "device_bytes")},
                 error=error))
+            if error is not None:  # the store releases its buffers even then; say what went wrong
+                log.error("offloading %s reported: %s", p.model_id, error)
             self._sched.on_offloaded(p.model_id)
             return
         # a batch
@@ -313,8 +335,10 @@ class Engine:
                                                 f"for request {uid}"), batch_seq=seq)
 
     # ---- death and shutdown --------------------------------------------------
-    def on_transport_error(self, exc: BaseException) -> None:
-        self._die(f"lost contact with the workers: {type(exc).__name__}: {exc}")
+    def on_transport_error(self, exc: BaseException, cause: Optional[str] = None) -> None:
+        """``cause`` names the worker that died, when the launcher knows it."""
+        prefix = f"{cause}; " if cause else ""
+        self._die(f"{prefix}lost contact with the workers: {type(exc).__name__}: {exc}")
 
     def on_worker_exit(self, rank: int, exitcode: Optional[int]) -> None:
         if not self._closed.is_set():
@@ -326,14 +350,19 @@ class Engine:
                 return
             self._dead = f"engine is dead: {reason}"
             log.error(self._dead)
-            for uid in list(self._requests):
-                self._finish(uid, error=EngineDeadError(self._dead))
-            for q in self._queues.values():
-                q.clear()
-            for p in list(self._pending.values()):
-                if p.waiter is not None:
-                    p.waiter({})
-            self._pending.clear()
+            self._fail_everything()
+            self._stopped.set()
+
+    def _fail_everything(self) -> None:
+        """Fail every waiting request and query with the engine's reason. Caller holds the lock."""
+        for uid in list(self._requests):
+            self._finish(uid, error=EngineDeadError(self._dead))
+        for q in self._queues.values():
+            q.clear()
+        for p in list(self._pending.values()):
+            if p.waiter is not None:
+                p.waiter({})
+        self._pending.clear()
 
     def close(self) -> None:
         """The one shutdown path: fail what is waiting, stop the workers, release processes. Idempotent."""
@@ -342,13 +371,13 @@ class Engine:
                 return
             already_dead = self._dead is not None
             self._dead = self._dead or "engine is shut down"
-            for uid in list(self._requests):
-                self._finish(uid, error=EngineDeadError(self._dead))
-            for q in self._queues.values():
-                q.clear()
+            self._fail_everything()
             self._closed.set()
-        if self._on_close is not None:
-            self._on_close(already_dead)
+        try:
+            if self._on_close is not None:
+                self._on_close(already_dead)
+        finally:
+            self._stopped.set()
 
 
 def _first_error(failures: Dict[int, msg.CommandFailed]) -> Optional[str]:

@@ -10,7 +10,7 @@ The answer is a 1-D LongTensor of the new token ids.
 """
 from __future__ import annotations
 
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -33,14 +33,18 @@ def _ids(data: Dict[str, Any], key: str) -> List[int]:
 
 
 class OPTBatchManager(BatchManager):
-    def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Optional[int] = 2,
+    def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Union[int, List[int], None] = 2,
                  vocab_size: Optional[int] = None, max_positions: Optional[int] = None,
                  default_max_tokens: int = 16, max_tokens_limit: int = 4096):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
+        # one id, several (Llama 3 configs list them) or none
+        eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(
+            eos_token_id)
+        self.eos_token_id = eos_ids or None
+        self._eos = torch.tensor(eos_ids, dtype=torch.int64)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.default_max_tokens = default_max_tokens
@@ -124,10 +128,9 @@ class OPTBatchManager(BatchManager):
         results = []
         for i, uid in enumerate(task_entry.uids):
             toks = out[i, :max_tokens[i]] if max_tokens else out[i]
-            if self.eos_token_id is not None:
-                hits = (toks == self.eos_token_id).nonzero()
-                if len(hits):
-                    toks = toks[:int(hits[0]) + 1]
+            hits = torch.isin(toks, self._eos).nonzero()
+            if len(hits):
+                toks = toks[:int(hits[0]) + 1]
             results.append((uid, toks.clone()))
         return results
 

@@ -93,12 +93,13 @@ def _setup_logging(config: EngineConfig, rank: int) -> None:
         logging.basicConfig(level=logging.WARNING, format=fmt)
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _die_with_parent(started_by_main_thread: bool) -> None:
+    if started_by_main_thread:  # PR_SET_PDEATHSIG fires when the starting *thread* exits
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
     parent = mp.parent_process()
     if parent is None:
         return
@@ -118,16 +119,16 @@ def _threads_per_worker(config: EngineConfig, local_world: int) -> int:
 # ---- spawn mode ---------------------------------------------------------------
 
 def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
-                 model_configs: List[ModelConfig], addr: str, port: int, status) -> None:
+                 model_configs: List[ModelConfig], addr: str, port: int, status, from_main_thread: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the master decides when we stop
-    _die_with_parent()
+    _die_with_parent(from_main_thread)
     _setup_logging(config, rank)
     torch.set_num_threads(_threads_per_worker(config, local_world))
     try:
         device = _device_for(config, local_rank, local_world)
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=layout.world_size, timeout=timedelta(seconds=config.death_timeout_s))
-        groups = Groups(layout, rank, config.resolved_backend())
+        groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
         channel = WorkerChannel(groups)
         worker = Worker(rank, groups, channel, model_configs, config, device)
         worker.build()
@@ -165,6 +166,15 @@ class _SpawnedWorkers:
                 p.kill()
                 p.join()
 
+    def exited(self, wait_s: float) -> Optional[str]:
+        """Which worker exited, waiting up to ``wait_s`` for one (a broken connection comes first)."""
+        ready = mpc.wait(self.sentinels(), timeout=wait_s)
+        for p in self.procs:
+            if p.sentinel in ready:
+                p.join(1)
+                return f"worker rank {self.first_rank + self.procs.index(p)} exited (exit code {p.exitcode})"
+        return None
+
     def monitor(self, on_exit) -> None:
         def watch():
             ready = mpc.wait(self.sentinels())
@@ -191,7 +201,8 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
     for i in range(local_world):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker_main, name=f"computron-worker-{first + i}",
-                        args=(first + i, i, local_world, layout, config, configs, addr, port, send_end),
+                        args=(first + i, i, local_world, layout, config, configs, addr, port, send_end,
+                              threading.current_thread() is threading.main_thread()),
                         daemon=True)
         p.start()
         send_end.close()
@@ -214,7 +225,8 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=layout.master_rank,
                                     world_size=layout.world_size,
                                     timeout=timedelta(seconds=config.death_timeout_s))
-            init["groups"] = Groups(layout, layout.master_rank, config.resolved_backend())
+            init["groups"] = Groups(layout, layout.master_rank, config.resolved_backend(),
+                                    timedelta(seconds=config.death_timeout_s))
         except BaseException as exc:  # noqa: BLE001
             init["error"] = exc
         finally:
@@ -236,8 +248,11 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         raise
 
     engine_box = {}
+    def transport_error(exc):
+        engine_box["e"].on_transport_error(exc, cause=workers.exited(wait_s=5))
+
     channel = MasterChannel(init["groups"], on_reply=lambda r: engine_box["e"].on_reply(r),
-                            on_transport_error=lambda e: engine_box["e"].on_transport_error(e))
+                            on_transport_error=transport_error)
 
     def on_close(dead: bool):
         if dead:
@@ -253,8 +268,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         elif dist.is_initialized():
             _destroy_in_background()
 
-    engine = Engine(config, configs, layout, channel, on_close=on_close)
-    engine.workers = {r.rank: r for r in ready}
+    engine = Engine(config, configs, layout, channel, ready, on_close=on_close)
     engine_box["e"] = engine
     channel.start()
     workers.monitor(engine.on_worker_exit)
@@ -335,7 +349,7 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.death_timeout_s))
     layout = Layout(tp=tp, pp=pp, master_rank=0, master_is_worker=True)
-    groups = Groups(layout, rank, config.resolved_backend())
+    groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
     if rank != 0:
         channel = WorkerChannel(groups)
         worker = Worker(rank, groups, channel, configs, config, device)
@@ -365,9 +379,14 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
         if len(startup["ready"]) + len(startup["failed"]) == layout.n_workers - 1:
             started.set()
 
-    channel = MasterChannel(groups, on_reply=route,
-                            on_transport_error=lambda e: engine_box["e"].on_transport_error(e)
-                            if "e" in engine_box else None)
+    def transport_error(exc):
+        if "e" in engine_box:
+            engine_box["e"].on_transport_error(exc)
+        else:
+            startup["failed"].append(msg.WorkerStartFailed(-1, f"control plane failed: {exc}"))
+            started.set()
+
+    channel = MasterChannel(groups, on_reply=route, on_transport_error=transport_error)
     channel.start()
     worker = Worker(0, groups, WorkerChannel(groups, master=channel), configs, config, device)
     own_error = None
@@ -377,10 +396,14 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
         own_error = traceback.format_exc()
     serve_thread = threading.Thread(target=worker.serve, name="computron-worker-0", daemon=True)
     serve_thread.start()
-    if layout.n_workers > 1 and not started.wait(config.start_timeout_s):
-        own_error = own_error or f"workers did not report ready within {config.start_timeout_s}s"
-    if own_error or startup["failed"]:
-        why = own_error or "\n".join(f"rank {f.rank}:\n{f.error}" for f in startup["failed"])
+    problems = [f"rank 0:\n{own_error}"] if own_error else []
+    # Without rank 0's shard the others may be stuck in a collective of their own build: don't wait for them.
+    if not own_error and layout.n_workers > 1 and not started.wait(config.start_timeout_s):
+        problems.append(f"{layout.n_workers - 1 - len(startup['ready']) - len(startup['failed'])} worker(s) "
+                        f"did not report ready within {config.start_timeout_s}s (EngineConfig.start_timeout_s)")
+    problems += [f"rank {f.rank}:\n{f.error}" for f in startup["failed"]]
+    if problems:
+        why = "\n".join(problems)
         channel.send(msg.Shutdown())
         channel.close(timeout=30)
         dist.destroy_process_group()
@@ -393,8 +416,8 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
         if clean:
             dist.destroy_process_group()
 
-    engine = Engine(config, configs, layout, channel, on_close=on_close)
-    engine.workers = {r.rank: r for r in startup["ready"] + [worker.ready_message()]}
+    engine = Engine(config, configs, layout, channel, [worker.ready_message()] + startup["ready"],
+                    on_close=on_close)
     engine_box["e"] = engine
     _install_exit_hooks(engine)
     return engine

@@ -64,6 +64,8 @@ class WorkerReady:
     host: str
     device: str
     host_bytes: Dict[str, int] = field(default_factory=dict)  # model_id -> shard bytes
+    batching: Dict[str, dict] = field(default_factory=dict)
+    """model_id -> OPTBatchManager arguments for causal LMs (pad/eos ids, vocabulary, positions)."""
 
 
 @dataclass(frozen=True)

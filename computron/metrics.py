@@ -29,7 +29,7 @@ class SwapRecord(_Timed):
     rank_times: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     """Per rank (start, end) on that rank's clock; on one host the clocks agree."""
     nbytes: int = 0
-    """Bytes moved per rank summed over ranks (load only)."""
+    """Bytes moved by all ranks together (load only)."""
     device_bytes: Dict[int, int] = field(default_factory=dict)
     """Per rank, bytes held on its device right after the command."""
     error: Optional[str] = None

@@ -16,6 +16,7 @@ fresh host copy of every tensor.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+log = logging.getLogger("computron.store")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -210,13 +213,20 @@ class ShardStore(_StoreBase):
         if self.resident:
             raise RuntimeError("model is already loaded on this worker")
         t0 = time.perf_counter()
-        self._dev = {}
-        for dt, host in self.host.items():
-            n = host.numel()
-            buf = self.pool.take(dt, n) if self.pool is not None else torch.empty(n, dtype=dt, device=self.device)
-            self._dev[dt] = buf
+        bufs: Dict[torch.dtype, torch.Tensor] = {}
+        try:
+            for dt, host in self.host.items():
+                n = host.numel()
+                bufs[dt] = (self.pool.take(dt, n) if self.pool is not None
+                            else torch.empty(n, dtype=dt, device=self.device))
+        except BaseException:
+            self._release(bufs)
+            raise
+        self._dev = bufs
         for s in self.slots:
-            s.tensor.data = self._dev[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+            s.tensor.data = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+        if self.cuda:  # the buffers came from the compute stream: copy only after its pending work
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         ready = _Readiness(self.n_segments, self.cuda)
         self._ready = ready
         self.resident = True
@@ -225,6 +235,7 @@ class ShardStore(_StoreBase):
         self._loader.start()
 
     def _copy(self, ready: _Readiness, t0: float, on_done) -> None:
+        error = None
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)  # a new thread starts on device 0
@@ -242,28 +253,43 @@ class ShardStore(_StoreBase):
                         self._dev[dt][a:b].copy_(self.host[dt][a:b])
                     ready.mark(i)
         except BaseException as exc:  # noqa: BLE001 - reported to the master
+            error = exc
             ready.fail(exc)
-            on_done(t0, time.perf_counter(), exc)
-            return
-        ready.done.set()
-        on_done(t0, time.perf_counter(), None)
+        else:
+            ready.done.set()
+        try:
+            on_done(t0, time.perf_counter(), error)
+        except Exception:  # noqa: BLE001 - a reply that cannot be sent: the master notices the silence
+            log.exception("could not report the end of a load")
+
+    def wait_loaded(self) -> None:
+        if self._loader is not None:
+            self._loader.join()  # also waits for its reply to go out
+        super().wait_loaded()
+
+    def _release(self, bufs: Dict[torch.dtype, torch.Tensor]) -> None:
+        if self.pool is not None:
+            for buf in bufs.values():
+                self.pool.give(buf)
 
     def offload(self) -> None:
+        """Drop the device copy. Never raises for a failed load: it just releases what was taken."""
         if not self.resident:
             return
-        self.wait_loaded()
+        if self._loader is not None:
+            self._loader.join()
+        failed = self._ready is not None and self._ready.error is not None
         if self.cuda:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         with torch.no_grad():
             for s in self.slots:
-                if s.mutable:  # a forward changed it: the only tensors copied back
+                if s.mutable and not failed:  # a forward changed it: the only tensors copied back
                     self.host[s.dtype][s.offset:s.offset + s.numel].copy_(s.tensor.reshape(-1))
                 s.tensor.data = self._placeholder(s.dtype)
-        for buf in self._dev.values():
-            if self.pool is not None:
-                self.pool.give(buf)
+        self._release(self._dev)
         self._dev = {}
         self._ready = None
+        self._loader = None
         self.resident = False
 
 

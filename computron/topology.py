@@ -50,7 +50,7 @@ class Groups:
     # (Gloo keeps the timeout in int32 milliseconds in places: stay under ~24 days.)
     IDLE_TIMEOUT = timedelta(days=20)
 
-    def __init__(self, layout: Layout, rank: int, data_backend: str):
+    def __init__(self, layout: Layout, rank: int, data_backend: str, data_timeout: timedelta):
         import torch.distributed as dist
         self.layout = layout
         self.rank = rank
@@ -58,8 +58,9 @@ class Groups:
         workers = list(range(layout.n_workers))
         self.cmd = dist.new_group(everyone, backend="gloo", timeout=self.IDLE_TIMEOUT)
         self.res = dist.new_group(everyone, backend="gloo", timeout=self.IDLE_TIMEOUT)
-        self.data = dist.new_group(workers, backend=data_backend)
-        self.tp_groups = [dist.new_group(layout.stage_ranks(s), backend=data_backend)
+        # data plane: a peer that stays silent this long is taken for dead
+        self.data = dist.new_group(workers, backend=data_backend, timeout=data_timeout)
+        self.tp_groups = [dist.new_group(layout.stage_ranks(s), backend=data_backend, timeout=data_timeout)
                           for s in range(layout.pp)]
         self.is_worker = rank < layout.n_workers
 

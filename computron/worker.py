@@ -61,7 +61,9 @@ class Worker:
     def ready_message(self) -> msg.WorkerReady:
         return msg.WorkerReady(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
                                device=str(self.device),
-                               host_bytes={m: s.nbytes for m, s in self.stores.items()})
+                               host_bytes={m: s.nbytes for m, s in self.stores.items()},
+                               batching={m: r.batching_defaults() for m, r in self.runners.items()
+                                         if hasattr(r, "batching_defaults")})
 
     def device_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -117,9 +119,8 @@ class Worker:
         elif isinstance(cmd, msg.RunBatch):
             store = self._store(cmd.model_id)
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                store.wait_segment(0)
-                out = self.runners[cmd.model_id].run(cmd.batch)
+            with torch.inference_mode():  # the runner waits for the weights inside its failure handling
+                out = self.runners[cmd.model_id].run(cmd.batch, store.wait_segment)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             is_out = self.rank == self.groups.layout.output_rank

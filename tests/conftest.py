@@ -1,5 +1,4 @@
 """Shared fixtures: tiny local checkpoints (never the hub) and a no-leaked-process check."""
-import asyncio
 import os
 
 import psutil
@@ -32,6 +31,3 @@ def no_leaked_processes():
         p.kill()
     assert not alive, f"test left processes behind: {[p.pid for p in alive]}"
 
-
-def run(coro):
-    return asyncio.run(coro)

@@ -82,3 +82,27 @@ def test_batch_manager_rejects_malformed_requests(data, needle):
     with pytest.raises((ValueError, TypeError)) as err:
         bm.validate(data)
     assert needle in str(err.value)
+
+
+def test_sampling_choices():
+    from computron.models.causal_lm import CausalLMRunner
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.9]])
+    pick = CausalLMRunner._pick
+    assert pick(logits, {}, None).tolist() == [1, 0]  # no sampling parameters: greedy
+    assert pick(logits, {"temperature": 0.0}, None).tolist() == [1, 0]
+    gen = torch.Generator().manual_seed(0)
+    assert pick(logits, {"temperature": 1.0, "top_k": 1}, gen).tolist() == [1, 0]
+    assert pick(logits, {"temperature": 1.0, "top_p": 0.01}, gen).tolist() == [1, 0]  # nucleus of one token
+    draws = [tuple(pick(logits, {"temperature": 5.0, "top_k": 2}, torch.Generator().manual_seed(s)).tolist())
+             for s in range(40)]
+    assert {d[0] for d in draws} == {1, 3} and {d[1] for d in draws} == {0, 3}  # only the top two, both seen
+    again = [tuple(pick(logits, {"temperature": 5.0, "top_k": 2}, torch.Generator().manual_seed(s)).tolist())
+             for s in range(40)]
+    assert draws == again  # a seed reproduces its draws
+
+
+def test_several_eos_ids_cut_answers():
+    from computron import TaskEntry
+    bm = OPTBatchManager(eos_token_id=[2, 7])
+    got = dict(bm.split_batch(TaskEntry((0, 1), torch.tensor([[5, 7, 2, 1], [5, 6, 2, 1]])), max_tokens=[4, 4]))
+    assert got[0].tolist() == [5, 7] and got[1].tolist() == [5, 6, 2]

@@ -12,6 +12,8 @@ from .sequential import SequentialRunner
 
 
 def make_runner(module, model_config, ctx: StageContext) -> StageRunner:
+    if ctx.pp > 1 and not model_config.pipelinable:
+        raise ValueError(f"model {model_config.model_id!r} has pipelinable=False but pp_world_size={ctx.pp}")
     if causal_lm_family(module) is not None:
         return CausalLMRunner(module, model_config, ctx)
     import torch.nn as nn

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -66,8 +66,13 @@ class StageRunner:
     module: nn.Module
     segments: List[nn.Module]
 
-    def run(self, batch: Any) -> Optional[Any]:
-        """Run one batch; return the output on the output rank, None on the others."""
+    def run(self, batch: Any, weights_ready: Callable[[], None]) -> Optional[Any]:
+        """Run one batch; return the output on the output rank, None on the others.
+
+        ``weights_ready()`` waits until the first weights have arrived and raises if
+        the model is not loaded here; it is called where a failure is passed on to
+        the other ranks, so none of them waits for this one forever.
+        """
         raise NotImplementedError
 
 

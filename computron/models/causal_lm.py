@@ -20,15 +20,16 @@ from .. import p2p
 from .base import StageContext, StageRunner, parallelize, uniform_split
 
 
+# transformers model types laid out like OPT or like Llama (separate q/k/v and gate/up projections)
+_FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+
 def causal_lm_family(module) -> Optional[str]:
-    inner = getattr(module, "model", None)
-    if inner is None or not hasattr(module, "lm_head"):
+    """'opt' or 'llama' for the transformers causal LMs this module can shard, else None."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if not hasattr(module, "lm_head") or not hasattr(module, "model"):
         return None
-    if hasattr(inner, "decoder") and hasattr(inner.decoder, "layers"):
-        return "opt"
-    if hasattr(inner, "layers") and hasattr(inner, "norm") and hasattr(inner, "embed_tokens"):
-        return "llama"
-    return None
+    return _FAMILIES.get(model_type)
 
 
 def _tp_plan(family: str) -> Dict[str, Any]:
@@ -42,6 +43,14 @@ def _tp_plan(family: str) -> Dict[str, Any]:
     plan = {n: ColwiseParallel() for n in col}
     plan.update({n: RowwiseParallel() for n in row})
     return plan
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 class _NoPositions(nn.Module):
@@ -59,6 +68,14 @@ def _check_tp(config, family: str, tp: int, model_id: str) -> None:
         v = getattr(config, f, None)
         if v is not None and v % tp:
             raise ValueError(f"model {model_id!r}: config.{f}={v} is not divisible by tp_world_size={tp}")
+
+
+def _eos_ids(eos, device) -> Optional[torch.Tensor]:
+    """EOS as a tensor of ids: configs give one id, a list of them (Llama 3), or none."""
+    if eos is None:
+        return None
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
 
 
 class CausalLMRunner(StageRunner):
@@ -88,10 +105,14 @@ class CausalLMRunner(StageRunner):
             _check_tp(self.config, self.family, ctx.tp, ctx.model_id)
             plan = _tp_plan(self.family)
             for layer in base.layers:
+                missing = [name for name in plan if not _has_submodule(layer, name)]
+                if missing:  # parallelize_module would only warn, and the shards would not add up
+                    raise ValueError(f"model {ctx.model_id!r}: decoder layer has no {missing}; its "
+                                     f"{self.config.model_type} layout does not fit the {self.family} TP plan")
                 parallelize(layer, plan, ctx)
                 if self.family == "opt":  # OPT reshapes with the head count, not -1
                     layer.self_attn.num_heads //= ctx.tp
-                    layer.self_attn.embed_dim //= ctx.tp
+                    layer.self_attn.embed_dim //= ctx.tp  # some 5.x releases reshape with it
         self.model = model
         self.base = base
         self.module = model
@@ -100,6 +121,13 @@ class CausalLMRunner(StageRunner):
         self.segments = prefix + list(base.layers) + suffix
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def batching_defaults(self) -> Dict[str, Any]:
+        """What a batch manager needs to know about this model's token ids."""
+        c = self.config
+        return {"pad_token_id": c.pad_token_id if c.pad_token_id is not None else 0,
+                "eos_token_id": c.eos_token_id, "vocab_size": c.vocab_size,
+                "max_positions": getattr(c, "max_position_embeddings", None)}
 
     # ---- one forward of this stage ------------------------------------------
     def _stage_forward(self, x, attention_mask, position_ids, cache):
@@ -142,14 +170,14 @@ class CausalLMRunner(StageRunner):
         probs = logits.softmax(-1)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
-    def run(self, batch: Dict[str, Any]) -> Optional[torch.Tensor]:
+    def run(self, batch: Dict[str, Any], weights_ready) -> Optional[torch.Tensor]:
         from transformers import DynamicCache
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         ids = batch["input_ids"].to(dev)
         mask = batch["attention_mask"].to(dev)
         bsz = ids.shape[0]
         max_new = int(batch["max_new_tokens"])
-        eos = batch.get("eos_token_id")
+        eos = _eos_ids(batch.get("eos_token_id"), dev)
         pad = batch.get("pad_token_id", 0) or 0
         gen = None
         if ctx.is_output_rank and batch.get("temperature"):
@@ -162,6 +190,8 @@ class CausalLMRunner(StageRunner):
             ok, err = True, None
             tokens = torch.empty(bsz, dtype=torch.int64, device=dev)
             try:
+                if not out:
+                    weights_ready()
                 x = cur if ctx.is_first else p2p.recv_tensor(g.prev_rank(), g.data, dev)
                 y = self._stage_forward(x, mask, self._positions(mask, cur.shape[1]), cache)
                 if not ctx.is_last:
@@ -179,7 +209,7 @@ class CausalLMRunner(StageRunner):
                 raise err
             if eos is not None:
                 tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
-                finished |= tokens == eos
+                finished |= torch.isin(tokens, eos)
             out.append(tokens)
             cur = tokens[:, None]
             mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=1)

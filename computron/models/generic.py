@@ -16,11 +16,12 @@ class ModuleRunner(StageRunner):
                              f"into {ctx.pp} pipeline stages; use pp_world_size=1, an nn.Sequential, or "
                              "an OPT/Llama model")
         self.ctx = ctx
-        self.module = module.to(ctx.device) if ctx.tp > 1 and model_config.tp_plan else module
+        self.module = module
         parallelize(self.module, model_config.tp_plan or {}, ctx)
         self.segments = []
 
-    def run(self, batch: Any) -> Optional[Any]:
+    def run(self, batch: Any, weights_ready) -> Optional[Any]:
+        weights_ready()
         if isinstance(batch, torch.Tensor):
             batch = batch.to(self.ctx.device)
         out = self.module(batch)

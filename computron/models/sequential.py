@@ -9,21 +9,34 @@ from .. import p2p
 from .base import StageContext, StageRunner, parallelize, uniform_split
 
 
-def linear_pair_plan(stage: nn.Sequential) -> dict:
-    """Megatron-style plan: Linear layers alternate column- and row-parallel within a stage.
+# modules that act on each element alone, so they may sit between a column- and a row-parallel Linear
+_ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.Dropout, nn.Identity)
 
-    A trailing unpaired Linear is column-parallel with its output gathered, so
-    every stage hands on a full activation.
+
+def linear_pair_plan(stage: nn.Sequential) -> dict:
+    """Megatron-style plan: a Linear followed (through elementwise modules only) by another Linear
+    becomes a column-parallel/row-parallel pair; any other Linear is column-parallel with its
+    output gathered, so every module outside a pair sees full activations.
     """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    names = [n for n, m in stage.named_children() if isinstance(m, nn.Linear)]
-    plan = {}
-    for i in range(0, len(names) - 1, 2):
-        plan[names[i]] = ColwiseParallel()
-        plan[names[i + 1]] = RowwiseParallel()
-    if len(names) % 2:
-        plan[names[-1]] = ColwiseParallel(output_layouts=Replicate())
+    children = list(stage.named_children())
+    plan, i = {}, 0
+    while i < len(children):
+        name, mod = children[i]
+        if not isinstance(mod, nn.Linear):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
+            j += 1
+        if j < len(children) and isinstance(children[j][1], nn.Linear):
+            plan[name] = ColwiseParallel()
+            plan[children[j][0]] = RowwiseParallel()
+            i = j + 1
+        else:
+            plan[name] = ColwiseParallel(output_layouts=Replicate())
+            i += 1
     return plan
 
 
@@ -42,18 +55,22 @@ class SequentialRunner(StageRunner):
         self.segments = list(self.module.children())
 
     def _check_divisible(self, plan):
-        for name in plan:
+        from torch.distributed.tensor.parallel import RowwiseParallel
+        for name, style in plan.items():
             layer = self.module.get_submodule(name)
-            if isinstance(layer, nn.Linear):
-                for dim in (layer.in_features, layer.out_features):
-                    if dim % self.ctx.tp and dim != 0:
-                        raise ValueError(f"model {self.ctx.model_id!r}: layer {name} has a dimension of "
-                                         f"{dim}, not divisible by tp_world_size={self.ctx.tp}")
+            if not isinstance(layer, nn.Linear):
+                continue
+            rowwise = isinstance(style, RowwiseParallel)
+            dim, what = (layer.in_features, "in") if rowwise else (layer.out_features, "out")
+            if dim % self.ctx.tp:
+                raise ValueError(f"model {self.ctx.model_id!r}: layer {name} has {what}_features={dim}, "
+                                 f"not divisible by tp_world_size={self.ctx.tp}")
 
-    def run(self, batch: Any) -> Optional[Any]:
+    def run(self, batch: Any, weights_ready) -> Optional[Any]:
         ctx, g = self.ctx, self.ctx.groups
         x = None
         try:
+            weights_ready()
             if ctx.is_first:
                 if not isinstance(batch, torch.Tensor):
                     raise TypeError(f"model {ctx.model_id!r} takes a tensor batch, got {type(batch).__name__}")
