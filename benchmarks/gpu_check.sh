@@ -4,7 +4,8 @@
 # Steps (each under `timeout`; the whole run stays under GPU_CHECK_BUDGET_S, default 470 s):
 #   1. nvidia-smi -L, torch / CUDA / transformers versions          -> one JSON line
 #   2. host<->device copy_ bandwidth of 4 GiB, pageable and pinned  -> one JSON line
-#   3. benchmarks/swap.py --model opt-6.7b --dtype float16 --tp 1 --repeats 3
+#   3. benchmarks/gpu_correctness.py: tiny OPT and Llama on the GPU equal transformers on the CPU
+#   4. benchmarks/swap.py --model opt-6.7b --dtype float16 --tp 1 --repeats 3
 #      (~13.3 GB of fp16 weights; fast and paper engines in one run) -> one JSON line
 # Every JSON line is appended to ${OUT:-.}/gpu_results.jsonl; swap.py's progress log goes to
 # ${OUT:-.}/swap_opt-6.7b.log (its per-engine lines survive a timeout).
@@ -93,6 +94,11 @@ res["d2h_fresh_pageable_gbps"] = gbps(lambda: d.to("cpu"), reps=3)
 print(json.dumps(res))
 EOF
 then failed+=("copy_bandwidth"); fi
+
+step "correctness on the GPU: tiny OPT and Llama through the engine vs transformers"
+if ! timeout -k 10 "$(left 90)" "$PY" benchmarks/gpu_correctness.py | tee -a "$RESULTS"; then
+    failed+=("correctness")
+fi
 
 step "swap benchmark: opt-6.7b float16, tp=1, repeats=3 (log: $SWAP_LOG)"
 if ! timeout -k 20 "$(left 460)" "$PY" -m benchmarks.swap --model opt-6.7b --dtype float16 --tp 1 --repeats 3 \

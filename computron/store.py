@@ -76,6 +76,26 @@ def collect_slots(module: nn.Module, segments: Sequence[nn.Module],
     return slots
 
 
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host buffer of exactly ``numel`` elements.
+
+    torch's pinned allocator rounds every block up to a power of two (a 13.3 GB
+    shard would lock 16 GB), so the buffer is allocated pageable and registered
+    with CUDA in place; where registration is refused, the pinned allocator it is.
+    The buffers live as long as the worker, so they are never unregistered.
+    """
+    buf = torch.empty(numel, dtype=dtype)
+    try:
+        cudart = torch.cuda.cudart()
+        cudart.cudaHostRegister(buf.data_ptr(), numel * buf.element_size(), 0)
+        if buf.is_pinned():
+            return buf
+        cudart.cudaHostUnregister(buf.data_ptr())  # registered in some other way than copies can use
+    except Exception:  # noqa: BLE001 - fall back to the allocator below
+        pass
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
 class DevicePool:
     """Device buffers kept for reuse (CPU only; CUDA has torch's caching allocator).
 
@@ -189,7 +209,7 @@ class ShardStore(_StoreBase):
             s.offset = totals.get(s.dtype, 0)
             totals[s.dtype] = s.offset + s.numel
         self.host: Dict[torch.dtype, torch.Tensor] = {
-            dt: torch.empty(n, dtype=dt, pin_memory=pin) for dt, n in totals.items()}
+            dt: pinned_empty(n, dt) if pin else torch.empty(n, dtype=dt) for dt, n in totals.items()}
         # contiguous [start, end) per (segment, dtype): slots are sorted by segment
         self._ranges: List[List[Tuple[torch.dtype, int, int]]] = [[] for _ in range(self.n_segments)]
         bounds: Dict[Tuple[int, torch.dtype], List[int]] = {}
