@@ -353,15 +353,19 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     if rank != 0:
         channel = WorkerChannel(groups)
         worker = Worker(rank, groups, channel, configs, config, device)
+        failure = None
         try:
             worker.build()
-        except Exception:  # noqa: BLE001 - rank 0 raises it; we wait for its shutdown
-            channel.reply(msg.WorkerStartFailed(rank, traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - rank 0 raises it too; we wait for its shutdown first
+            failure = traceback.format_exc()
+            channel.reply(msg.WorkerStartFailed(rank, failure))
         else:
             channel.reply(worker.ready_message())
         worker.serve()
         channel.reply(msg.Bye(rank))
         dist.destroy_process_group()
+        if failure is not None:
+            raise LaunchError(f"rank {rank} failed to start:\n{failure}")
         return None
 
     startup = {"ready": [], "failed": []}

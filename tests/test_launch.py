@@ -74,3 +74,27 @@ def test_signal_shuts_down_without_leftovers(sig):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+ATTACH_FAILURE = """
+import sys
+from helpers import failing_model_fn
+from computron import EngineConfig, LaunchEngine, LaunchError, ModelConfig
+if __name__ == "__main__":
+    try:
+        LaunchEngine(EngineConfig(start_timeout_s=60), [ModelConfig("bad", failing_model_fn)], 2, 1)
+    except LaunchError as exc:
+        print("LAUNCH ERROR", "model_fn exploded on purpose" in str(exc), flush=True)
+"""
+
+
+def test_attach_mode_start_failure_reaches_every_rank(tmp_path):
+    script = tmp_path / "attach_failure.py"
+    script.write_text(ATTACH_FAILURE)
+    env = _env()
+    env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), str(script)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("LAUNCH ERROR True") == 2, proc.stdout + proc.stderr
