@@ -162,7 +162,8 @@ async def _client(engine, args, prompt, mode: str) -> List[dict]:
 async def run_mode(mode: str, args) -> dict:
     from computron import LaunchEngine
     mcs = workload.opt_model_configs(args.model_name, args.num_models, args.batch_size, args.dtype)
-    cfg = workload.engine_config(mode, args.max_loaded, worker_threads=args.threads)
+    cfg = workload.engine_config(mode, args.max_loaded, worker_threads=args.threads,
+                                 overlap=not args.no_overlap, prefetch=not args.no_prefetch)
     t0 = time.perf_counter()
     engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
     launch_s = time.perf_counter() - t0
@@ -217,6 +218,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
     ap.add_argument("--progress-every", type=int, default=10, help="a progress line on stderr every N answers")
+    ap.add_argument("--no-overlap", action="store_true", help="ablation: EngineConfig(overlap=False) for ours")
+    ap.add_argument("--no-prefetch", action="store_true", help="ablation: EngineConfig(prefetch=False) for ours")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--out", default=None, help="JSON file to write")

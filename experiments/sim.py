@@ -104,7 +104,8 @@ def summarize(records: Sequence[dict], metrics: Sequence, slo: float) -> dict:
 async def run_mode(mode: str, trace, args, model_ids: List[str]) -> dict:
     from computron import LaunchEngine
     mcs = workload.opt_model_configs(args.model, len(model_ids), args.batch_size, args.dtype)
-    cfg = workload.engine_config(mode, args.max_loaded_resolved, worker_threads=args.threads)
+    cfg = workload.engine_config(mode, args.max_loaded_resolved, worker_threads=args.threads,
+                                 overlap=not args.no_overlap, prefetch=not args.no_prefetch)
     payload = {"input_ids": workload.make_prompt(args.model), "max_tokens": args.max_tokens}
     t0 = time.perf_counter()
     engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
@@ -176,6 +177,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiply every rate (lighter CPU runs)")
     ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
+    ap.add_argument("--no-overlap", action="store_true", help="ablation: EngineConfig(overlap=False) for ours")
+    ap.add_argument("--no-prefetch", action="store_true", help="ablation: EngineConfig(prefetch=False) for ours")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default none)")
