@@ -7,7 +7,6 @@ import asyncio
 import json
 import tempfile
 
-import torch
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
 
@@ -17,14 +16,7 @@ MAX_TOKENS = 6
 
 def reference(path):
     model = zoo.load_causal_lm(path)
-    outs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, pad_token_id=model.config.pad_token_id)[0, len(p):]
-        hits = (new == model.config.eos_token_id).nonzero()
-        outs.append((new[:int(hits[0]) + 1] if len(hits) else new).tolist())
-    return outs
+    return [zoo.reference_generate(model, p, MAX_TOKENS).tolist() for p in PROMPTS]
 
 
 async def serve(paths, paper):

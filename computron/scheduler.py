@@ -55,6 +55,7 @@ class Scheduler:
     def __init__(self, model_ids: Iterable[str], max_loaded: int, *, prefetch: bool = False,
                  overlap: bool = False, max_inflight: int = 2):
         self.model_ids = list(model_ids)
+        self._order = {m: i for i, m in enumerate(self.model_ids)}  # ties between equal heads
         if len(set(self.model_ids)) != len(self.model_ids):
             raise ValueError("model ids must be unique")
         if max_loaded < 1:
@@ -108,7 +109,7 @@ class Scheduler:
             raise KeyError(f"unknown model ids in heads: {unknown}")
         actions: List[Action] = []
         waiting_for_slot = False
-        for m in sorted(heads, key=lambda k: (heads[k], self.model_ids.index(k))):
+        for m in sorted(heads, key=lambda k: (heads[k], self._order[k])):
             state = self.states[m]
             if self._runnable(m):
                 limit = 1 if waiting_for_slot else self.max_inflight

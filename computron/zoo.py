@@ -146,3 +146,15 @@ class Echo(torch.nn.Module):
 
 def echo() -> Echo:
     return Echo()
+
+
+def reference_generate(model, prompt, max_new_tokens: int) -> torch.Tensor:
+    """The unsharded transformers model's greedy continuation of ``prompt``, cut after its first EOS:
+    what a served model must answer, token for token."""
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=model.config.pad_token_id)
+    new = out[0, len(prompt):]
+    eos = model.config.eos_token_id
+    hits = torch.isin(new, torch.tensor([eos] if isinstance(eos, int) else list(eos or []))).nonzero()
+    return new[:int(hits[0]) + 1] if len(hits) else new

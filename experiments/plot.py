@@ -51,6 +51,23 @@ def _plain_minor(v, _pos=None) -> str:
     return f"{v:g}" if int(round(mant)) in (2, 3, 5) else ""
 
 
+def _grid(n: int, panel_width: float):
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    return plt.subplots(rows, cols, figsize=(panel_width * cols, 3.8 * rows), squeeze=False)
+
+
+def _save(fig, axes, n_used: int, title: str, out_dir: str, name: str) -> str:
+    for ax in list(axes.flat)[n_used:]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
     panels: Dict[tuple, List[dict]] = {}
     for d in docs:
@@ -60,9 +77,7 @@ def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
         panels.setdefault(key, []).append(d)
     keys = sorted(panels, key=lambda k: (len(k[0]), k[0], k[1:]))
     n = len(keys)
-    cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    fig, axes = _grid(n, panel_width=5)
     for ax, key in zip(axes.flat, keys):
         rates, model, tp, pp, ml = key
         for d in sorted(panels[key], key=lambda d: d["config"]["cv"]):
@@ -85,21 +100,12 @@ def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
         ax.set_title(f"rates={rates}\n{model} TP={tp} PP={pp} max_loaded={ml}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.suptitle("latency CDF: solid = ours, dashed = paper mode", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "sim_cdf.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, n, "latency CDF: solid = ours, dashed = paper mode", out_dir, "sim_cdf.png")
 
 
 def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
     n = len(docs)
-    cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    fig, axes = _grid(n, panel_width=5.5)
     for ax, d in zip(axes.flat, docs):
         c, summ = d["config"], d["summary"]
         modes = [m for m in ("ours", "paper") if m in summ]
@@ -120,14 +126,8 @@ def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
                      f"first {warm} requests dropped", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.suptitle("round robin: where a request's time goes (mean per request)", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "rr_breakdown.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, n, "round robin: where a request's time goes (mean per request)", out_dir,
+                 "rr_breakdown.png")
 
 
 def main(argv=None) -> List[str]:

@@ -39,10 +39,4 @@ def big_mlp(width: int = 4096, depth: int = 6):
 def greedy_reference(path_or_model, prompt, max_tokens):
     """The unsharded transformers model's greedy continuation, cut after its first EOS."""
     model = zoo.load_causal_lm(path_or_model) if isinstance(path_or_model, str) else path_or_model
-    ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                         do_sample=False, pad_token_id=model.config.pad_token_id)
-    new = out[0, len(prompt):]
-    eos = model.config.eos_token_id
-    hits = (new == eos).nonzero()
-    return new[:int(hits[0]) + 1] if len(hits) else new
+    return zoo.reference_generate(model, prompt, max_tokens)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -60,12 +62,13 @@ class StageContext:
         return DeviceMesh.from_group(self.groups.tp_group, self.device.type)
 
 
-class StageRunner:
+class StageRunner(abc.ABC):
     """This rank's part of one model: the module whose tensors the store holds, and how to run it."""
 
     module: nn.Module
     segments: List[nn.Module]
 
+    @abc.abstractmethod
     def run(self, batch: Any, weights_ready: Callable[[], None]) -> Optional[Any]:
         """Run one batch; return the output on the output rank, None on the others.
 
@@ -73,7 +76,6 @@ class StageRunner:
         the model is not loaded here; it is called where a failure is passed on to
         the other ranks, so none of them waits for this one forever.
         """
-        raise NotImplementedError
 
 
 def parallelize(module: nn.Module, plan: dict, ctx: StageContext) -> None:
