@@ -7,11 +7,12 @@ STAMP  := $(VENV)/.computron-installed
 # would download a multi-GB CUDA build. colossalai only provides the `colossalai run` launcher:
 # installed without its pins (they would replace torch and transformers), plus what its CLI needs.
 TORCH       := torch==2.13.0
-DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout psutil
+DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout psutil \
+               fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-http clean
 
 setup: $(STAMP)
 
@@ -23,14 +24,18 @@ $(STAMP): setup.py Makefile
 	$(PY) -c "import torch, transformers, computron; print('computron', computron.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
-demo: setup
-	$(PY) examples/opt/serve_opt.py --models 3 --tp 2 --pp 1 --max-loaded 1 --requests 9
+demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` on them, asks through `openai`
+	$(PY) examples/serve/demo.py --tp 2 --max-loaded 1
 
 test: setup
 	$(PY) -m pytest -q --timeout 900 tests
 
-bench: setup
-	$(PY) benchmarks/swap.py --size-gb 1
+ARGS ?=
+bench: setup  # make bench ARGS="--tp 2" (any benchmarks/swap.py option)
+	$(PY) benchmarks/swap.py --size-gb 1 $(ARGS)
+
+bench-http: setup  # the HTTP front's added latency per request and per streamed token (one JSON line)
+	$(PY) benchmarks/http.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

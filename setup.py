@@ -5,11 +5,14 @@ setup(
     version="0.1.0",
     description="Serve many deep-learning models on shared GPUs by model-parallel swapping",
     packages=find_packages(include=["computron", "computron.*"]),
+    package_data={"computron.server": ["static/*.html"]},
+    entry_points={"console_scripts": ["computron = computron.server.cli:main"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "transformers>=5,<6", "numpy", "safetensors"],
+    install_requires=["torch>=2.11", "transformers>=5,<6", "numpy", "safetensors", "tokenizers", "pyyaml",
+                      "fastapi", "uvicorn", "prometheus_client", "pillow"],
     extras_require={
         "experiments": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "psutil"],
+        "test": ["pytest", "pytest-timeout", "psutil", "openai", "httpx", "selenium"],
         "launcher": ["psutil", "click", "fabric"],
     },
 )

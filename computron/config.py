@@ -42,8 +42,25 @@ class EngineConfig:
     On a small shared CPU more threads than free cores make OpenMP spin against
     the master and each other (seen here: 40x slower forwards with 2 threads on 2 cores).
     """
-    metrics_history: int = 1_000_000
-    """How many records ``Engine.metrics()`` keeps (the oldest go first); 0 keeps all."""
+    step_mode: bool = True
+    """Token-level generation for causal LMs: the master drives each model one step (one token per
+    running sequence) at a time, requests join and leave the running batch between steps, answers
+    stream, and models interleave between tokens. False runs each batch's whole generation as one
+    command (request level, the paper's unit); paper_mode implies False."""
+    max_step_tokens: int = 4096
+    """Prompt tokens admitted (prefilled) in one step at most, so a burst of long prompts cannot stall
+    the running sequences for long; a single longer prompt is still admitted alone."""
+    metrics_history: int = 100_000
+    """How many records ``Engine.metrics()`` keeps (the oldest go first; about 1 KB each); 0 keeps all.
+    ``Engine.counters()`` keeps running totals that never expire."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker whose heartbeats stop for this long (hung, stopped, its host gone) kills the engine."""
+    command_timeout_s: float = 600.0
+    """A command that runs longer than this on a rank (a forward stuck forever) kills the engine. A rank
+    still silent heartbeat_timeout_s after another rank reported the same command failed does too."""
+    shutdown_grace_s: float = 10.0
+    """``shutdown()``/SIGTERM: how long the workers get to finish the command in hand and exit before
+    they are terminated, then killed. In-flight requests fail at once with 'shutting down'."""
     start_timeout_s: float = 300.0
     """How long LaunchEngine waits for every worker to build its models and report ready."""
     death_timeout_s: float = 600.0
@@ -70,9 +87,16 @@ class EngineConfig:
             _fail(c, "worker_threads", self.worker_threads, "must be an int >= 0 (0 = automatic)")
         if not isinstance(self.metrics_history, int) or self.metrics_history < 0:
             _fail(c, "metrics_history", self.metrics_history, "must be an int >= 0 (0 = keep all)")
-        for name in ("start_timeout_s", "death_timeout_s"):
+        for name in ("step_mode",):
+            if not isinstance(getattr(self, name), bool):
+                _fail(c, name, getattr(self, name), "must be True or False")
+        if not isinstance(self.max_step_tokens, int) or isinstance(self.max_step_tokens, bool) \
+                or self.max_step_tokens < 1:
+            _fail(c, "max_step_tokens", self.max_step_tokens, "must be an int >= 1")
+        for name in ("start_timeout_s", "death_timeout_s", "heartbeat_timeout_s", "command_timeout_s",
+                     "shutdown_grace_s"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v <= 0:
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 _fail(c, name, v, "must be a positive number of seconds")
         if self.backend == "nccl" and self.device == "cpu":
             _fail(c, "backend", self.backend, "nccl needs device='cuda'")

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 
 class Command(enum.Enum):
     LOAD = "load"
     OFFLOAD = "offload"
     RUN = "run"
+    STEP = "step"
     STATS = "stats"
     SHUTDOWN = "shutdown"
 
@@ -39,6 +40,35 @@ class RunBatch:
     model_id: str
     batch: Any
     kind = Command.RUN
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """A sequence joining a model's running batch: everything the workers need to generate it."""
+    sid: int
+    prompt: Tuple[int, ...]
+    max_tokens: int
+    eos: Tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generation step of a model's running batch, executed by every rank.
+
+    Every rank first drops ``drop`` (finished on the master's side: cancelled, timed
+    out, a stop string), then runs the prefill of ``admit`` and one decode step of
+    the sequences already running. The output rank answers with one token per
+    sequence; every rank drops the sequences that ended (EOS, max_tokens) itself.
+    """
+    seq: int
+    model_id: str
+    admit: Tuple[SeqSpec, ...] = ()
+    drop: Tuple[int, ...] = ()
+    kind = Command.STEP
 
 
 @dataclass(frozen=True)
@@ -108,12 +138,46 @@ class BatchDone:
 
 
 @dataclass(frozen=True)
+class StepDone:
+    """Sent by every rank; only the output rank carries the tokens.
+
+    ``sids[i]`` got ``tokens[i]`` in this step; ``ended`` lists the sequences that
+    ended with it (EOS or max_tokens) and left the running batch on every rank.
+    """
+    seq: int
+    rank: int
+    model_id: str
+    start: float
+    end: float
+    sids: Tuple[int, ...] = ()
+    tokens: Tuple[int, ...] = ()
+    ended: Tuple[int, ...] = ()
+    running: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent by a thread of every worker, independent of its command loop.
+
+    ``busy_seq`` is the command the loop is executing (None when idle) and
+    ``busy_s`` for how long, so the master can tell a hung command from a slow one.
+    """
+    rank: int
+    sent: float
+    busy_seq: Optional[int] = None
+    busy_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class CommandFailed:
     """A command raised on a worker; the worker keeps serving."""
     seq: int
     rank: int
     model_id: Optional[str]
     error: str
+    fatal: bool = False
+    """The worker cannot go on (a data-plane timeout or a closed connection): the engine must die."""
 
 
 @dataclass(frozen=True)

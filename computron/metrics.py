@@ -33,6 +33,10 @@ class SwapRecord(_Timed):
     device_bytes: Dict[int, int] = field(default_factory=dict)
     """Per rank, bytes held on its device right after the command."""
     error: Optional[str] = None
+    wall_start: float = 0.0
+    """``start`` as wall-clock time (time.time())."""
+    cause: str = ""
+    """Why it happened: which model's request a load serves, which model an eviction makes room for."""
 
 
 
@@ -48,6 +52,28 @@ class BatchRecord(_Timed):
     seq: Optional[int] = None
     """The batch's command number; RequestRecord.batch_uid points here."""
     kind: str = "batch"
+    wall_start: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepRecord(_Timed):
+    """One token-level generation step of one model (every rank ran it)."""
+    model_id: str
+    start: float
+    end: float
+    running: int
+    """Sequences that got a token in this step (admitted ones included)."""
+    admitted: int
+    dropped: int
+    rank_times: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    error: Optional[str] = None
+    seq: Optional[int] = None
+    kv_bytes: int = 0
+    """KV cache bytes of this model on the output rank after the step."""
+    master_s: float = 0.0
+    """Master time spent preparing this step and handling its reply (not the forward)."""
+    kind: str = "step"
+    wall_start: float = 0.0
 
 
 
@@ -61,7 +87,24 @@ class RequestRecord:
     """``seq`` of the BatchRecord that answered it (None if it never reached a batch)."""
     error: Optional[str] = None
     kind: str = "request"
+    submitted_wall: float = 0.0
+    first_token: Optional[float] = None
+    """perf_counter when its first token was produced (token-level generation)."""
+    n_tokens: int = 0
+    """Tokens it produced (token-level generation)."""
 
     @property
     def latency(self) -> float:
         return self.finished - self.submitted
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token: from submit to the first token (the whole answer at request level)."""
+        return None if self.first_token is None else self.first_token - self.submitted
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean time per output token after the first."""
+        if self.first_token is None or self.n_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.n_tokens - 1)

@@ -103,7 +103,10 @@ class Scheduler:
         return min(candidates, key=lambda m: self._last_used[m]) if candidates else None
 
     # ---- decisions -----------------------------------------------------------
-    def decide(self, heads: Mapping[str, float]) -> List[Action]:
+    def decide(self, heads: Mapping[str, float], running: Iterable[str] = ()) -> List[Action]:
+        """``running``: models with sequences generating on the workers (token-level); they are never
+        evicted, as a model with batches in flight is not."""
+        running = set(running)
         unknown = [m for m in heads if m not in self.states]
         if unknown:
             raise KeyError(f"unknown model ids in heads: {unknown}")
@@ -131,7 +134,7 @@ class Scheduler:
                 actions.extend(self._start_load(m, heads))
                 continue
             idle = [v for v in self.model_ids if self.states[v] is ModelState.LOADED
-                    and self.inflight[v] == 0 and v not in self._offload_queued]
+                    and self.inflight[v] == 0 and v not in self._offload_queued and v not in running]
             victim = self._lru(idle)
             if victim is not None:
                 self.states[victim] = ModelState.OFFLOADING
@@ -141,7 +144,7 @@ class Scheduler:
                 continue
             if self.prefetch:
                 draining = [v for v in self.model_ids if self.states[v] is ModelState.LOADED
-                            and v not in heads and v not in self._offload_queued]
+                            and v not in heads and v not in self._offload_queued and v not in running]
                 victim = self._lru(draining)
                 if victim is not None:
                     self._offload_queued.add(victim)

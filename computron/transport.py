@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -127,9 +128,10 @@ class MasterChannel:
 
         Returns True when both threads finished, so the process groups can be destroyed.
         """
+        deadline = time.monotonic() + timeout
         self._sender.join(timeout)
         if self._receiver.is_alive():
-            self._receiver.join(timeout)
+            self._receiver.join(max(0.0, deadline - time.monotonic()))
         self._closed.set()
         return not self._sender.is_alive() and not self._receiver.is_alive()
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -37,6 +38,8 @@ class Worker:
         self.stores: Dict[str, object] = {}
         self.pool = DevicePool(device) if device.type == "cpu" else None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._busy: Optional[tuple] = None  # (seq, since) of the command being executed
+        self._stop_heartbeat = threading.Event()
 
     # ---- start-up ------------------------------------------------------------
     def build(self) -> None:
@@ -66,31 +69,57 @@ class Worker:
                                          if hasattr(r, "batching_defaults")})
 
     def device_bytes(self) -> int:
+        """Weights and KV caches held on this rank's device."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return sum(s.device_bytes() for s in self.stores.values())
+        return sum(s.device_bytes() for s in self.stores.values()) + self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        return sum(r.kv_bytes() for r in self.runners.values() if hasattr(r, "kv_bytes"))
+
+    # ---- liveness ------------------------------------------------------------
+    def start_heartbeat(self, interval_s: float) -> None:
+        """Tell the master we are alive, and what the command loop is doing, from a thread of its own."""
+        def beat():
+            while not self._stop_heartbeat.wait(interval_s):
+                busy = self._busy
+                now = time.perf_counter()
+                try:
+                    self.channel.reply(msg.Heartbeat(rank=self.rank, sent=time.time(),
+                                                     busy_seq=busy[0] if busy else None,
+                                                     busy_s=now - busy[1] if busy else 0.0))
+                except Exception:  # noqa: BLE001 - the master is gone; the parent watch ends us
+                    return
+        threading.Thread(target=beat, name=f"computron-heartbeat-{self.rank}", daemon=True).start()
 
     # ---- the command loop ----------------------------------------------------
     def serve(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # attach mode runs worker 0 in a thread of its own
+        self.start_heartbeat(min(self.config.heartbeat_timeout_s / 4, 1.0))
         while True:
             cmd = self.channel.recv()
             if isinstance(cmd, msg.Shutdown):
+                self._stop_heartbeat.set()
                 for store in self.stores.values():
                     try:
                         store.wait_loaded()
                     except Exception:  # noqa: BLE001 - shutting down anyway
                         pass
                 return
+            self._busy = (cmd.seq, time.perf_counter())
             try:
                 self._execute(cmd)
             except Exception as exc:  # noqa: BLE001 - reported, the loop goes on
                 detail = f"{type(exc).__name__}: {exc}"
-                log.warning("rank %d: %s failed: %s\n%s", self.rank, type(cmd).__name__, detail,
-                            traceback.format_exc())
+                fatal = is_fatal_transport_error(exc)
+                log.warning("rank %d: %s failed%s: %s\n%s", self.rank, type(cmd).__name__,
+                            " (fatal)" if fatal else "", detail, traceback.format_exc())
                 self.channel.reply(msg.CommandFailed(seq=cmd.seq, rank=self.rank,
-                                                     model_id=getattr(cmd, "model_id", None), error=detail))
+                                                     model_id=getattr(cmd, "model_id", None), error=detail,
+                                                     fatal=fatal))
+            finally:
+                self._busy = None
 
     def _store(self, model_id: str):
         try:
@@ -110,9 +139,27 @@ class Worker:
                     self.channel.reply(msg.Loaded(seq=seq, rank=self.rank, model_id=mid, start=start, end=end,
                                                   nbytes=store.nbytes, device_bytes=self.device_bytes()))
             store.begin_load(done)  # returns at once, except in paper mode where it copies here
+        elif isinstance(cmd, msg.Step):
+            store = self._store(cmd.model_id)
+            runner = self.runners[cmd.model_id]
+            if not hasattr(runner, "step"):
+                raise TypeError(f"model {cmd.model_id!r} does not generate tokens step by step")
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = runner.step(cmd, store.wait_segment)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            is_out = self.rank == self.groups.layout.output_rank
+            self.channel.reply(msg.StepDone(
+                seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0, end=time.perf_counter(),
+                sids=out["sids"] if is_out else (), tokens=out["tokens"] if is_out else (),
+                ended=out["ended"] if is_out else (), running=out["running"], kv_bytes=runner.kv_bytes()))
         elif isinstance(cmd, msg.Offload):
             store = self._store(cmd.model_id)
             t0 = time.perf_counter()
+            runner = self.runners[cmd.model_id]
+            if hasattr(runner, "drop_running"):  # its KV cache cannot outlive the weights
+                runner.drop_running()
             store.offload()
             self.channel.reply(msg.Offloaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
                                              end=time.perf_counter(), device_bytes=self.device_bytes()))
@@ -136,3 +183,21 @@ class Worker:
                 resident=tuple(m for m, s in self.stores.items() if s.resident)))
         else:
             raise TypeError(f"unknown command {type(cmd).__name__}")
+
+
+_FATAL_MARKERS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                  "socket closed")
+
+
+def is_fatal_transport_error(exc: BaseException) -> bool:
+    """A data-plane failure (a collective timed out, a peer's connection closed): the ranks are out
+    of step and no later command can succeed, so the engine must die rather than fail one request."""
+    import torch.distributed as dist
+    dist_errors = tuple(getattr(dist, n) for n in ("DistError", "DistBackendError", "DistNetworkError")
+                        if hasattr(dist, n))
+    if isinstance(exc, dist_errors):
+        return True
+    if not isinstance(exc, RuntimeError) or type(exc).__name__ == "UpstreamFailed":
+        return False
+    text = str(exc).lower()
+    return any(m in text for m in _FATAL_MARKERS) and any(w in text for w in ("gloo", "pair", "nccl"))

@@ -40,3 +40,21 @@ def greedy_reference(path_or_model, prompt, max_tokens):
     """The unsharded transformers model's greedy continuation, cut after its first EOS."""
     model = zoo.load_causal_lm(path_or_model) if isinstance(path_or_model, str) else path_or_model
     return zoo.reference_generate(model, prompt, max_tokens)
+
+
+POISON_TOKEN = 13
+
+
+class _PoisonEmbedding(torch.nn.Embedding):
+    """An embedding that raises when it sees POISON_TOKEN: a step that fails on a worker."""
+
+    def forward(self, ids):
+        if (ids == POISON_TOKEN).any():
+            raise ValueError(f"token {POISON_TOKEN} is poison")
+        return super().forward(ids)
+
+
+def poisoned_lm(path):
+    model = zoo.load_causal_lm(path)
+    model.model.decoder.embed_tokens.__class__ = _PoisonEmbedding
+    return model

@@ -121,6 +121,9 @@ class CausalLMRunner(StageRunner):
         self.segments = prefix + list(base.layers) + suffix
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        from .running import RunningBatch
+        self.running = RunningBatch()
+        """The model's sequences between steps (token-level generation)."""
 
     def batching_defaults(self) -> Dict[str, Any]:
         """What a batch manager needs to know about this model's token ids."""
@@ -171,6 +174,7 @@ class CausalLMRunner(StageRunner):
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
     def run(self, batch: Dict[str, Any], weights_ready) -> Optional[torch.Tensor]:
+        """Request-level generation: the whole decode loop of one batch inside one command."""
         from transformers import DynamicCache
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         ids = batch["input_ids"].to(dev)
@@ -180,8 +184,6 @@ class CausalLMRunner(StageRunner):
         eos = _eos_ids(batch.get("eos_token_id"), dev)
         pad = batch.get("pad_token_id", 0) or 0
         gen = None
-        if ctx.is_output_rank and batch.get("temperature"):
-            gen = torch.Generator(device="cpu").manual_seed(int(batch.get("seed", 0)))
         cache = DynamicCache()
         finished = torch.zeros(bsz, dtype=torch.bool, device=dev)
         out = []
@@ -190,9 +192,11 @@ class CausalLMRunner(StageRunner):
             ok, err = True, None
             tokens = torch.empty(bsz, dtype=torch.int64, device=dev)
             try:
+                x = cur if ctx.is_first else p2p.recv_tensor(g.prev_rank(), g.data, dev)
                 if not out:
                     weights_ready()
-                x = cur if ctx.is_first else p2p.recv_tensor(g.prev_rank(), g.data, dev)
+                    if ctx.is_output_rank and batch.get("temperature"):  # inside: a bad seed fails every rank
+                        gen = torch.Generator(device="cpu").manual_seed(int(batch.get("seed", 0)))
                 y = self._stage_forward(x, mask, self._positions(mask, cur.shape[1]), cache)
                 if not ctx.is_last:
                     p2p.send_tensor(y, g.next_rank(), g.data, dev)
@@ -218,3 +222,101 @@ class CausalLMRunner(StageRunner):
         if not ctx.is_output_rank:
             return None
         return torch.stack(out, dim=1).cpu() if out else torch.empty(bsz, 0, dtype=torch.int64)
+
+    # ---- token-level generation ---------------------------------------------
+    def kv_bytes(self) -> int:
+        return self.running.kv_bytes()
+
+    def drop_running(self) -> None:
+        self.running.clear()
+
+    def _chain(self, x, mask, new: int, cache, failed: bool):
+        """One forward through the pipeline: receive, run this stage, pass on.
+
+        Every stage makes the same transfers whether or not it failed (a failed
+        stage still consumes what its upstream sends and sends a failure marker
+        down), so the point-to-point pairs stay in step for the next forward.
+        Returns (logits on the last stage or None, failed, error).
+        """
+        ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
+        err = None
+        y = None
+        try:
+            if not ctx.is_first:
+                x = p2p.recv_tensor(g.prev_rank(), g.data, dev)
+            if failed:
+                raise p2p.UpstreamFailed("an earlier forward of this step failed")
+            y = self._stage_forward(x, mask, self._positions(mask, new), cache)
+        except Exception as exc:  # noqa: BLE001 - passed downstream, agreed on by the token broadcast
+            err, failed, y = exc, True, None
+        if not ctx.is_last:
+            p2p.send_tensor(None if failed else y, g.next_rank(), g.data, dev)
+            y = None
+        return y, failed, err
+
+    def step(self, cmd, weights_ready) -> Dict[str, Any]:
+        """Drop, prefill the admitted sequences, decode the running ones: one token each.
+
+        Every rank runs this with the same command and ends in the same state: the
+        output rank's status travels with the tokens, and on failure every rank
+        drops the model's whole running batch.
+        """
+        from transformers import DynamicCache
+        from .running import RunningBatch, sample
+        ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
+        rb: RunningBatch = self.running
+        rb.drop(cmd.drop)
+        n_run, admit = len(rb), list(cmd.admit)
+        tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
+        failed, err, logits = False, None, []
+        fresh = RunningBatch()
+        try:
+            weights_ready()
+        except Exception as exc:  # noqa: BLE001
+            failed, err = True, exc
+        if admit:
+            width = max(len(a.prompt) for a in admit)
+            ids = torch.full((len(admit), width), int(self.batching_defaults()["pad_token_id"]),
+                             dtype=torch.int64, device=dev)
+            fresh.mask = torch.zeros((len(admit), width), dtype=torch.int64, device=dev)
+            for i, a in enumerate(admit):
+                ids[i, width - len(a.prompt):] = torch.tensor(a.prompt, dtype=torch.int64, device=dev)
+                fresh.mask[i, width - len(a.prompt):] = 1
+            fresh.cache = DynamicCache()
+            y, failed, e = self._chain(ids, fresh.mask, width, fresh.cache, failed)
+            err = err or e
+            logits.append(y)
+        if n_run:
+            mask = torch.cat([rb.mask, rb.mask.new_ones(n_run, 1)], dim=1)
+            y, failed, e = self._chain(rb.last[:, None], mask, 1, rb.cache, failed)
+            err = err or e
+            logits.insert(0, y)
+        if ctx.is_output_rank and not failed:
+            try:
+                for a in admit:
+                    fresh.generators[a.sid] = torch.Generator(device="cpu").manual_seed(a.seed)
+                specs = [rb.specs[s] for s in rb.sids] + admit
+                gens = {**rb.generators, **fresh.generators}
+                tokens.copy_(sample(torch.cat([y.cpu() for y in logits]), specs, gens).to(dev))
+            except Exception as exc:  # noqa: BLE001
+                failed, err = True, exc
+        if not p2p.broadcast_with_status(tokens, not (failed and ctx.is_output_rank),
+                                        g.layout.output_rank, g.data) or failed:
+            rb.clear()
+            raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
+        if n_run:
+            rb.mask = mask
+            rb.last = tokens[:n_run]
+            for s in rb.sids:
+                rb.counts[s] += 1
+        if admit:
+            fresh.sids = [a.sid for a in admit]
+            fresh.specs = {a.sid: a for a in admit}
+            fresh.counts = {a.sid: 1 for a in admit}
+            fresh.last = tokens[n_run:]
+            rb.merge(fresh)
+        toks = tokens.tolist()
+        sids = list(rb.sids)
+        ended = rb.ended([t in rb.specs[s].eos for s, t in zip(sids, toks)])
+        rb.drop(ended)
+        return {"sids": tuple(sids), "tokens": tuple(toks), "ended": tuple(ended), "running": len(rb)}
