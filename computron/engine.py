@@ -376,7 +376,10 @@ class Engine:
     def _dispatch_step(self, model_id: str) -> None:
         t0 = time.perf_counter()
         tb = self._token_batches[model_id]
-        admit, drop = tb.next_step(self._queues[model_id], self._requests)
+        admit, drop, rejected = tb.next_step(self._queues[model_id], self._requests)
+        for uid, exc in rejected:
+            self._finish(uid, error=PayloadError(f"model {model_id!r}: malformed request: "
+                                                 f"{type(exc).__name__}: {exc}"))
         seq = next(self._seqs)
         self._pending[seq] = _Pending("step", model_id, t0, uids=tuple(tb.running),
                                       info={"admitted": len(admit), "dropped": len(drop)})

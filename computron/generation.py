@@ -15,6 +15,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
+from .models.running import is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
 
@@ -32,7 +33,9 @@ def _ids(data: Dict[str, Any], key: str) -> List[int]:
     return list(v)
 
 
-class OPTBatchManager(BatchManager):
+class CausalLMBatchManager(BatchManager):
+    """Batches generation requests for any served causal LM (OPT, Llama, ...): the paper's OPTBatchManager."""
+
     def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Union[int, List[int], None] = 2,
                  vocab_size: Optional[int] = None, max_positions: Optional[int] = None,
                  default_max_tokens: int = 16, max_tokens_limit: int = 4096):
@@ -51,7 +54,7 @@ class OPTBatchManager(BatchManager):
         self.max_tokens_limit = max_tokens_limit
 
     @classmethod
-    def for_config(cls, hf_config, max_batch_size: int = 8, **kw) -> "OPTBatchManager":
+    def for_config(cls, hf_config, max_batch_size: int = 8, **kw) -> "CausalLMBatchManager":
         """Pad/EOS ids, vocabulary size and position limit taken from a transformers config."""
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
         return cls(max_batch_size=max_batch_size, pad_token_id=pad, eos_token_id=hf_config.eos_token_id,
@@ -76,6 +79,8 @@ class OPTBatchManager(BatchManager):
             mask = _ids(data, "attention_mask")
             if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
                 raise ValueError("attention_mask must be 0/1 values of the same length as input_ids")
+            if not any(mask):
+                raise ValueError("attention_mask has no 1: the model would see no token at all")
         n = data.get("max_tokens", self.default_max_tokens)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_tokens_limit:
             raise ValueError(f"max_tokens={n!r}: must be an int in 1..{self.max_tokens_limit}")
@@ -83,14 +88,17 @@ class OPTBatchManager(BatchManager):
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={n} exceeds the model's "
                              f"{self.max_positions} positions")
         k = data.get("top_k")
-        if k is not None and (not isinstance(k, int) or k < 0):
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"top_k={k!r}: must be an int >= 0")
         p = data.get("top_p")
-        if p is not None and (not isinstance(p, (int, float)) or not 0 < p <= 1):
-            raise ValueError(f"top_p={p!r}: must be in (0, 1]")
+        if p is not None and (not is_finite_number(p) or not 0 < p <= 1):
+            raise ValueError(f"top_p={p!r}: must be a number in (0, 1]")
         t = data.get("temperature")
-        if t is not None and (not isinstance(t, (int, float)) or t < 0):
-            raise ValueError(f"temperature={t!r}: must be >= 0")
+        if t is not None and (not is_finite_number(t) or t < 0):
+            raise ValueError(f"temperature={t!r}: must be a finite number >= 0")
+        seed = data.get("seed")
+        if seed is not None and not is_valid_seed(seed):
+            raise ValueError(f"seed={seed!r}: must be an int in [0, 2**63)")
 
     # ---- batching ------------------------------------------------------------
     @staticmethod
@@ -135,4 +143,4 @@ class OPTBatchManager(BatchManager):
         return results
 
 
-CausalLMBatchManager = OPTBatchManager
+OPTBatchManager = CausalLMBatchManager  # the paper's (and EnergonAI's) name, kept as an alias

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import messages as msg
+from . import preflight
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
 from .errors import LaunchError
@@ -54,6 +55,8 @@ def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], 
     if mp.current_process().name.startswith("computron-worker"):
         raise RuntimeError("LaunchEngine ran again inside a worker process, which imports the main module: "
                            "call it under `if __name__ == '__main__':`")
+    preflight.check(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
+    _setup_logging(engine_config, None if "RANK" not in os.environ else int(os.environ["RANK"]))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _attach(engine_config, configs, tp_world_size, pp_world_size)
     return _spawn(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
@@ -80,17 +83,62 @@ def _device_for(config: EngineConfig, local_rank: int, local_world: int) -> torc
     return torch.device("cuda", local_rank)
 
 
-def _setup_logging(config: EngineConfig, rank: int) -> None:
-    fmt = f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s"
-    if config.log_dir:
-        os.makedirs(config.log_dir, exist_ok=True)
-        handler = logging.FileHandler(os.path.join(config.log_dir, f"worker_{rank}.log"))
-        handler.setFormatter(logging.Formatter(fmt))
-        root = logging.getLogger("computron")
-        root.addHandler(handler)
+def _setup_logging(config: EngineConfig, rank: Optional[int] = None) -> None:
+    """Logging of the ``computron`` loggers in this process: a worker ``rank``, or the master (None).
+
+    INFO by default (``COMPUTRON_LOG_LEVEL`` overrides; a level the application set on the
+    ``computron`` logger is kept), wall-clock timestamps to the millisecond. Workers write to stderr,
+    which spawned workers share with the master's console, or only to ``log_dir/worker_<rank>.log``
+    when ``EngineConfig.log_dir`` is set. The master (and rank 0 under a launcher) writes to its
+    console unless the application installed its own handlers, and also to ``log_dir/master.log``
+    or the file ``COMPUTRON_LOG_FILE`` names. Also silences third-party noise the engine triggers:
+    torch's "CPU process group does not support alltoall yet" and transformers' progress bars.
+    """
+    who = "master" if rank is None else f"rank{rank}"
+    fmt = logging.Formatter(f"%(asctime)s.%(msecs)03d {who} %(name)s %(levelname)s: %(message)s",
+                            datefmt="%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger("computron")
+    for h in [h for h in root.handlers if getattr(h, "_computron", False)]:  # a second launch in this process
+        root.removeHandler(h)
+        h.close()
+    env_level = os.environ.get("COMPUTRON_LOG_LEVEL")
+    if env_level:
+        root.setLevel(env_level.upper())
+    elif root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
-    else:
-        logging.basicConfig(level=logging.WARNING, format=fmt)
+    handlers = []
+    if rank is not None and config.log_dir:
+        os.makedirs(config.log_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(config.log_dir, f"worker_{rank}.log")))
+    elif not root.handlers and not logging.getLogger().handlers:
+        handlers.append(logging.StreamHandler())  # stderr: the master's console for spawned workers
+    hosts_master = rank is None or (rank == 0 and "RANK" in os.environ)
+    master_file = os.environ.get("COMPUTRON_LOG_FILE") or (
+        os.path.join(config.log_dir, "master.log") if config.log_dir else None)
+    if hosts_master and master_file:
+        os.makedirs(os.path.dirname(os.path.abspath(master_file)), exist_ok=True)
+        handlers.append(logging.FileHandler(master_file))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h._computron = True
+        root.addHandler(h)
+    _quiet_third_party(worker=rank is not None)
+
+
+def _quiet_third_party(worker: bool) -> None:
+    torch_log = logging.getLogger("torch.distributed.tensor._collective_utils")
+    if not any(getattr(f, "_computron", False) for f in torch_log.filters):
+        def no_alltoall(record):  # gloo's DTensor redistribution falls back to allgather: expected here
+            return "does not support alltoall" not in record.getMessage()
+        no_alltoall._computron = True
+        torch_log.addFilter(no_alltoall)
+    if not worker:  # the master builds no model: leave the application's progress bars alone
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
+    import sys
+    if "transformers" in sys.modules:  # already imported (a from_pretrained model_fn): switch its bars off
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
 
 
 def _die_with_parent(started_by_main_thread: bool) -> None:
@@ -154,15 +202,20 @@ class _SpawnedWorkers:
         return [p.sentinel for p in self.procs]
 
     def stop(self, grace_s: float) -> None:
+        """Let the workers exit within ``grace_s``, then SIGTERM, then (a second later) SIGKILL.
+        A stopped (SIGSTOP) process ignores SIGTERM until continued; SIGKILL still ends it."""
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        deadline = time.monotonic() + 1.0
         for p in self.procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
+                log.warning("%s did not exit after SIGTERM: killing it", p.name)
                 p.kill()
                 p.join()
 
@@ -180,6 +233,7 @@ class _SpawnedWorkers:
             ready = mpc.wait(self.sentinels())
             for p in self.procs:
                 if p.sentinel in ready:
+                    p.join(5)  # reap it, so its exit code is known
                     on_exit(self.first_rank + self.procs.index(p), p.exitcode)
                     return
         threading.Thread(target=watch, name="computron-worker-watch", daemon=True).start()
@@ -260,9 +314,12 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             workers.stop(grace_s=0)
             clean = False
         else:
+            deadline = time.monotonic() + config.shutdown_grace_s
             channel.send(msg.Shutdown())
-            clean = channel.close(timeout=30)
-            workers.stop(grace_s=30)
+            clean = channel.close(timeout=config.shutdown_grace_s)
+            if not clean:
+                channel.abandon()
+            workers.stop(grace_s=max(0.0, deadline - time.monotonic()))
         if clean and dist.is_initialized():
             dist.destroy_process_group()
         elif dist.is_initialized():
@@ -317,7 +374,7 @@ def _destroy_in_background() -> None:
     """A thread may still sit in a receive from a dead peer: don't let that block the caller."""
     t = threading.Thread(target=dist.destroy_process_group, daemon=True)
     t.start()
-    t.join(10)
+    t.join(1.0)  # usually done by then; shutdown stays bounded when it is not
 
 
 def _install_exit_hooks(engine: Engine) -> None:
@@ -415,8 +472,8 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
 
     def on_close(dead: bool):
         channel.send(msg.Shutdown())
-        clean = channel.close(timeout=30)
-        serve_thread.join(30)
+        clean = channel.close(timeout=config.shutdown_grace_s)
+        serve_thread.join(config.shutdown_grace_s)
         if clean:
             dist.destroy_process_group()
 

@@ -107,15 +107,21 @@ class TokenBatch:
                        eos=tuple(eos), temperature=temperature, top_k=int(data.get("top_k") or 0),
                        top_p=float(data["top_p"]) if data.get("top_p") is not None else 1.0, seed=int(seed))
 
-    def next_step(self, queue: Deque[SubmitEntry], requests: Dict[int, Request]) -> Tuple[list, tuple]:
+    def next_step(self, queue: Deque[SubmitEntry], requests: Dict[int, Request]) -> Tuple[list, tuple, list]:
         """Choose what the next step admits (oldest first, up to the batch size and the prompt-token
-        budget; a longer prompt alone still goes) and drops."""
-        admit, budget = [], self.max_step_tokens
+        budget; a longer prompt alone still goes) and drops. Also returns ``[(uid, error)]`` for
+        requests that cannot become a sequence (a batch manager that let a bad field through)."""
+        admit, rejected, budget = [], [], self.max_step_tokens
         now = time.perf_counter()
         while queue and len(self.running) + len(admit) < self.max_batch_size:
             entry = queue[0]
             req = requests[entry.uid]
-            spec = self.spec_for(entry.uid, entry.data)
+            try:
+                spec = self.spec_for(entry.uid, entry.data)
+            except Exception as exc:  # noqa: BLE001 - that request fails alone
+                queue.popleft()
+                rejected.append((entry.uid, exc))
+                continue
             if admit and len(spec.prompt) > budget:
                 break
             queue.popleft()
@@ -126,7 +132,7 @@ class TokenBatch:
         drop = tuple(sorted(self.to_drop))
         self.to_drop.clear()
         self.step_admitted = tuple(s.sid for s in admit)
-        return admit, drop
+        return admit, drop, rejected
 
     def cancel(self, uid: int) -> bool:
         """Forget a running sequence; the workers drop it at the next step. True if it was running."""

@@ -58,3 +58,22 @@ def poisoned_lm(path):
     model = zoo.load_causal_lm(path)
     model.model.decoder.embed_tokens.__class__ = _PoisonEmbedding
     return model
+
+
+HANG_TOKEN = 14
+
+
+class _HangingEmbedding(torch.nn.Embedding):
+    """An embedding that never returns when it sees HANG_TOKEN: a forward stuck forever."""
+
+    def forward(self, ids):
+        if (ids == HANG_TOKEN).any():
+            import threading
+            threading.Event().wait()
+        return super().forward(ids)
+
+
+def hanging_lm(path):
+    model = zoo.load_causal_lm(path)
+    model.model.decoder.embed_tokens.__class__ = _HangingEmbedding
+    return model
