@@ -12,7 +12,7 @@ DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-t
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 
-.PHONY: setup demo test bench bench-http clean
+.PHONY: setup demo test bench bench-gen bench-http clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,9 @@ test: setup
 ARGS ?=
 bench: setup  # make bench ARGS="--tp 2" (any benchmarks/swap.py option)
 	$(PY) benchmarks/swap.py --size-gb 1 $(ARGS)
+
+bench-gen: setup  # token-level vs request-level generation on one Gamma trace (one JSON line)
+	$(PY) benchmarks/generation.py $(ARGS)
 
 bench-http: setup  # the HTTP front's added latency per request and per streamed token (one JSON line)
 	$(PY) benchmarks/http.py

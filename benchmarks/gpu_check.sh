@@ -4,12 +4,13 @@
 # Steps (each under `timeout`; the whole run stays under GPU_CHECK_BUDGET_S, default 470 s):
 #   1. nvidia-smi -L, torch / CUDA / transformers versions          -> one JSON line
 #   2. host<->device copy_ bandwidth of 4 GiB, pageable and pinned  -> one JSON line
-#   3. benchmarks/gpu_correctness.py: tiny OPT and Llama on the GPU equal transformers on the CPU
+#   3. python -m benchmarks.gpu_correctness: tiny OPT and Llama on the GPU equal transformers on the CPU
 #   4. benchmarks/swap.py --model opt-6.7b --dtype float16 --tp 1 --repeats 3
 #      (~13.3 GB of fp16 weights; fast and paper engines in one run) -> one JSON line
 # Every JSON line is appended to ${OUT:-.}/gpu_results.jsonl; swap.py's progress log goes to
 # ${OUT:-.}/swap_opt-6.7b.log (its per-engine lines survive a timeout).
 #
+# Python steps run as modules (-m benchmarks.NAME), so no file in benchmarks/ (http.py, ...) shadows the stdlib.
 # Run from the repository root, nothing to install (torch + transformers preinstalled, no network):
 #   bash benchmarks/gpu_check.sh
 # A step that fails or times out is reported and the next one still runs; the exit status is 1
@@ -96,7 +97,7 @@ EOF
 then failed+=("copy_bandwidth"); fi
 
 step "correctness on the GPU: tiny OPT and Llama through the engine vs transformers"
-if ! timeout -k 10 "$(left 90)" "$PY" benchmarks/gpu_correctness.py | tee -a "$RESULTS"; then
+if ! timeout -k 10 "$(left 90)" "$PY" -m benchmarks.gpu_correctness | tee -a "$RESULTS"; then
     failed+=("correctness")
 fi
 

@@ -91,10 +91,12 @@ import sys
 import threading
 import time
 
-import torch
+if __package__ in (None, ""):  # run as a script: import from the repo, not from this folder
+    _here = os.path.dirname(os.path.abspath(__file__))  # (a benchmark module here may shadow the stdlib)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(_here))
 
-if __package__ in (None, ""):  # run as a script: make the repo importable without installing it
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, zoo  # noqa: E402
 
@@ -140,8 +142,8 @@ def model_configs(args):
         gen = torch.Generator().manual_seed(0)
 
         def make_input():
-            ids = torch.randint(3, vocab, (1, 16), generator=gen)
-            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 1}
+            # the request format of the CausalLMBatchManager the engine builds for a causal LM
+            return {"input_ids": torch.randint(3, vocab, (16,), generator=gen).tolist(), "max_tokens": 1}
         desc = args.model
     return cfgs, make_input, desc
 

@@ -8,6 +8,7 @@ from .generation import CausalLMBatchManager, OPTBatchManager
 from .launch import LaunchEngine, launch_computron
 from .metrics import BatchRecord, RequestRecord, SwapRecord
 from .scheduler import ModelState, Scheduler
+from .understanding import EmbeddingBatchManager, ImageClassificationBatchManager, TextClassificationBatchManager
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ __all__ = [
     "TaskEntry", "OPTBatchManager", "CausalLMBatchManager", "Scheduler", "ModelState", "SwapRecord",
     "BatchRecord", "RequestRecord", "ComputronError", "RequestError", "UnknownModelError", "PayloadError",
     "QueueFullError", "RequestTimeoutError", "WorkerError", "EngineDeadError", "LaunchError",
+    "TextClassificationBatchManager", "EmbeddingBatchManager", "ImageClassificationBatchManager",
 ]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 _BACKENDS = ("gloo", "nccl")
+POLICIES = ("run_to_completion", "quantum", "deadline")
 _DEVICES = ("cpu", "cuda")
 
 
@@ -18,7 +19,7 @@ class EngineConfig:
     """Address of the master rank's rendezvous (torch.distributed TCP store)."""
     master_port: int = 0
     """Port of the rendezvous; 0 picks a free port (single-node spawn mode only)."""
-    max_loaded: int = 1
+    max_loaded: Optional[int] = 1
     """How many models may be resident on the devices at once (>= 1)."""
     queue_size: int = 0
     """Per-model bound on waiting requests; 0 means unbounded. Over it: QueueFullError."""
@@ -61,6 +62,28 @@ class EngineConfig:
     shutdown_grace_s: float = 10.0
     """``shutdown()``/SIGTERM: how long the workers get to finish the command in hand and exit before
     they are terminated, then killed. In-flight requests fail at once with 'shutting down'."""
+    policy: str = "quantum"
+    """Which model's generation runs when more models have work than fit (token-level generation):
+    'run_to_completion' (a resident model keeps its slot until its running sequences end: request-level
+    switching), 'quantum' (a model's turn ends after ``quantum_ms`` of steps when another model waits for
+    its slot; its sequences pause and resume later), 'deadline' (the model whose oldest waiting request is
+    closest to missing ``ttft_slo_s`` goes first; a model that has waited ``4 * ttft_slo_s`` goes regardless)."""
+    quantum_ms: float = 200.0
+    """Turn length of the 'quantum' policy, in milliseconds of steps."""
+    ttft_slo_s: float = 1.0
+    """Time-to-first-token objective of the 'deadline' policy, in seconds."""
+    kv_swap: str = "auto"
+    """What happens to a paused sequence's KV cache when its model must leave the devices: 'offload'
+    (copied to host memory, pinned on CUDA, and back on resume), 'recompute' (dropped; a prefill of
+    prompt + generated tokens rebuilds it) or 'auto' (per sequence, whichever the estimate says is cheaper)."""
+    device_budget: Optional[float] = None
+    """Bytes of device memory per rank for model shards and KV caches (an int), or a fraction in (0, 1] of
+    the device's memory; None: no byte budget (max_loaded alone bounds residency)."""
+    kv_reserve: float = 0.1
+    """Part of a model's device footprint reserved for its KV cache, as a fraction of its shard bytes."""
+    host_budget: Optional[int] = None
+    """Bytes of host memory per rank for shards kept in host memory; models beyond it stay on disk and are
+    read on demand (disk tier). None: every shard stays in host memory."""
     start_timeout_s: float = 300.0
     """How long LaunchEngine waits for every worker to build its models and report ready."""
     death_timeout_s: float = 600.0
@@ -73,8 +96,11 @@ class EngineConfig:
             _fail(c, "master_host", self.master_host, "must be a non-empty host name")
         if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
             _fail(c, "master_port", self.master_port, "must be an int in 0..65535")
-        if not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
-            _fail(c, "max_loaded", self.max_loaded, "must be an int >= 1")
+        if self.max_loaded is None:
+            if self.device_budget is None:
+                _fail(c, "max_loaded", None, "None (no count cap) needs a device_budget")
+        elif not isinstance(self.max_loaded, int) or isinstance(self.max_loaded, bool) or self.max_loaded < 1:
+            _fail(c, "max_loaded", self.max_loaded, "must be an int >= 1, or None with a device_budget")
         if not isinstance(self.queue_size, int) or self.queue_size < 0:
             _fail(c, "queue_size", self.queue_size, "must be an int >= 0 (0 = unbounded)")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 0:
@@ -98,6 +124,23 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 _fail(c, name, v, "must be a positive number of seconds")
+        if self.policy not in POLICIES:
+            _fail(c, "policy", self.policy, f"must be one of {POLICIES}")
+        if self.kv_swap not in ("auto", "offload", "recompute"):
+            _fail(c, "kv_swap", self.kv_swap, "must be 'auto', 'offload' or 'recompute'")
+        for name in ("quantum_ms", "ttft_slo_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+                _fail(c, name, v, "must be a positive number")
+        if not isinstance(self.kv_reserve, (int, float)) or not 0 <= self.kv_reserve < 10:
+            _fail(c, "kv_reserve", self.kv_reserve, "must be a number in [0, 10)")
+        d = self.device_budget
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or d <= 0
+                              or (isinstance(d, float) and d > 1)):
+            _fail(c, "device_budget", d, "must be a byte count (int > 0), a fraction in (0, 1], or None")
+        h = self.host_budget
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h <= 0):
+            _fail(c, "host_budget", h, "must be a byte count (int > 0) or None")
         if self.backend == "nccl" and self.device == "cpu":
             _fail(c, "backend", self.backend, "nccl needs device='cuda'")
 
@@ -129,6 +172,17 @@ class ModelConfig:
     """A torch.distributed.tensor.parallel plan (module path -> ParallelStyle) for custom modules."""
     mutable_buffers: Sequence[str] = ()
     """Names of buffers a forward changes; only these are copied back on offload."""
+    pinned: bool = False
+    """Never evict this model once loaded (it still counts against max_loaded and the device budget)."""
+    priority: int = 0
+    """Higher goes first when several models wait for a slot, and is evicted last."""
+    checkpoint: Optional[str] = None
+    """A local transformers checkpoint directory (safetensors) of a causal LM or encoder family the
+    runners split: each rank then builds the model on the meta device and reads only its own slices of
+    the tensors its stage and TP rank hold, and may leave them on disk beyond
+    ``EngineConfig.host_budget``. ``model_fn`` is still required: it builds the model when the
+    directory cannot be read this way (no safetensors, another architecture). A ``model_fn`` that is
+    ``zoo.load_causal_lm`` or ``zoo_understanding.load_encoder`` with a ``path`` is read this way too."""
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -143,6 +197,15 @@ class ModelConfig:
                 if not callable(getattr(self.batch_manager, attr, None)):
                     _fail(c, "batch_manager", self.batch_manager, f"has no {attr}() method")
         self.mutable_buffers = tuple(self.mutable_buffers)
+        if not isinstance(self.pinned, bool):
+            _fail(c, "pinned", self.pinned, "must be True or False")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            _fail(c, "priority", self.priority, "must be an int")
+        if self.checkpoint is not None:
+            import os
+            if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):
+                _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str) or None")
+            self.checkpoint = os.fspath(self.checkpoint)
 
 
 def check_model_configs(model_configs: Iterable[ModelConfig]) -> list:

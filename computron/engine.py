@@ -31,8 +31,8 @@ from .config import EngineConfig, ModelConfig
 from .errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
                      WorkerError)
 from .generation import CausalLMBatchManager
-from .metrics import BatchRecord, RequestRecord, StepRecord, SwapRecord
-from .scheduler import ActionKind, ModelState, Scheduler
+from .metrics import BatchRecord, KVRecord, PreemptionRecord, RequestRecord, StepRecord, SwapRecord
+from .scheduler import ActionKind, ModelState, Scheduler, choose_recompute
 from .sequences import END, Request, TokenBatch
 
 log = logging.getLogger("computron.engine")
@@ -80,7 +80,11 @@ class Engine:
         # second batch sent early would only split a burst into smaller batches.
         self._sched = Scheduler([mc.model_id for mc in model_configs], config.max_loaded,
                                 prefetch=config.prefetch and not paper, overlap=config.overlap and not paper,
-                                max_inflight=1)
+                                max_inflight=1, policy="run_to_completion" if paper else config.policy,
+                                quantum_s=config.quantum_ms / 1e3, ttft_slo_s=config.ttft_slo_s,
+                                sizes=model_sizes(config, workers), device_budget=device_budget(config, workers),
+                                pinned=[mc.model_id for mc in model_configs if mc.pinned],
+                                priority={mc.model_id: mc.priority for mc in model_configs})
         self._lock = threading.RLock()
         self._uids = itertools.count()
         self._seqs = itertools.count()
@@ -91,6 +95,8 @@ class Engine:
                           "preemptions": Counter(), "steps": Counter(), "tokens": Counter(),
                           "requests": Counter()}
         self._last_swap: Dict[str, Dict[str, dict]] = defaultdict(dict)
+        self._prefill_rate: Dict[str, float] = {}
+        """Prompt tokens per second of each model's prefills (steps that admitted sequences)."""
         self._wall_offset = time.time() - time.perf_counter()
         self._dead: Optional[str] = None
         self._closed = threading.Event()  # close() ran
@@ -147,7 +153,9 @@ class Engine:
                 models[m] = {"state": state.value,
                              "tier": "host" if state is ModelState.OFFLOADED else "device",
                              "waiting": len(q), "running": len(tb.running) if tb else self._sched.inflight[m],
-                             "token_level": tb is not None,
+                             "paused": (len(tb.to_recompute) + (len(tb.running) if tb.paused_since else 0))
+                             if tb else 0,
+                             "token_level": tb is not None, "pinned": m in self._sched.pinned,
                              "last_load": self._last_swap[m].get("load"),
                              "last_offload": self._last_swap[m].get("offload")}
             return {"alive": self._dead is None, "dead_reason": self._dead, "models": models}
@@ -293,12 +301,19 @@ class Engine:
                 return
             self._counters["requests"][(req.model_id, "cancelled")] += 1
             tb = self._token_batches.get(req.model_id)
-            if tb is None or not tb.cancel(uid):
+            where = tb.cancel(uid) if tb is not None else None
+            if where is None:
                 q = self._queues[req.model_id]
                 for e in list(q):
                     if e.uid == uid:
                         q.remove(e)
                         break
+            elif where == "workers" and not self._sched.can_accept_batches(req.model_id):
+                # the model is away (or leaving) with this sequence parked: no step will come soon
+                tb.to_drop.discard(uid)
+                seq = next(self._seqs)
+                self._pending[seq] = _Pending("cleanup", req.model_id, time.perf_counter())
+                self._channel.send(msg.Drop(seq, req.model_id, (uid,)))
             self._pump()  # an emptied queue may change what comes next; a drop needs a step
 
     def _finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None,
@@ -311,19 +326,23 @@ class Engine:
         self._records.append(RequestRecord(uid, req.model_id, req.submitted, now, batch_uid=batch_seq,
                                            error=None if error is None else str(error),
                                            submitted_wall=req.submitted_wall, first_token=first,
-                                           n_tokens=len(req.tokens)))
+                                           n_tokens=len(req.tokens), preemptions=req.preemptions))
         self._counters["requests"][(req.model_id, "ok" if error is None else "error")] += 1
         req.resolve(value, error)
 
     # ---- scheduling ----------------------------------------------------------
-    def _heads(self) -> Dict[str, float]:
-        """Each model with work, and the arrival time of its oldest waiting or running request."""
+    def _heads(self, now: float) -> Dict[str, float]:
+        """Each model with work, and the arrival time of its oldest waiting or running request (for a
+        model whose sequences were paused by a preemption: when they paused)."""
         heads = {}
         for m, q in self._queues.items():
             tb = self._token_batches.get(m)
             times = [self._requests[q[0].uid].submitted] if q else []
-            if tb is not None and (tb.running or tb.to_drop):
-                times.append(tb.oldest() if tb.running else time.perf_counter())
+            if tb is not None and tb.live:
+                if tb.paused_since is not None:
+                    times.append(tb.paused_since)
+                else:
+                    times.append(tb.oldest() if (tb.running or tb.to_recompute) else now)
             if times:
                 heads[m] = min(times)
         return heads
@@ -331,11 +350,13 @@ class Engine:
     def _pump(self) -> None:
         """Act on the scheduler's decisions until it has nothing more to do. Caller holds the lock."""
         while self._dead is None and not self._closed.is_set():
-            running = [m for m, tb in self._token_batches.items() if tb.running or tb.to_drop]
-            heads = self._heads()
-            actions = self._sched.decide(heads, running)
+            now = time.perf_counter()
+            running = [m for m, tb in self._token_batches.items() if tb.live]
+            heads = self._heads(now)
+            actions = self._sched.decide(heads, running, now)
             if not actions:
                 return
+            preempted = list(self._sched.preempted)
             for a in actions:
                 if a.kind is ActionKind.RUN:
                     if a.model_id in self._token_batches:
@@ -343,21 +364,59 @@ class Engine:
                     else:
                         self._dispatch_batch(a.model_id)
                 else:
-                    self._send_swap(a.kind, a.model_id, heads)
+                    self._send_swap(a.kind, a.model_id, heads, preempted, actions)
 
-    def _send_swap(self, kind: ActionKind, model_id: str, heads: Dict[str, float]) -> None:
+    def _send_swap(self, kind: ActionKind, model_id: str, heads: Dict[str, float], preempted=(),
+                   actions=()) -> None:
         seq = next(self._seqs)
+        now = time.perf_counter()
         name = "load" if kind is ActionKind.LOAD else "offload"
+        recompute: tuple = ()
         if name == "load":
-            waited = time.perf_counter() - heads[model_id] if model_id in heads else 0.0
+            waited = now - heads[model_id] if model_id in heads else 0.0
             cause = f"its oldest request has waited {waited * 1e3:.0f} ms" if model_id in heads else "prefetch"
             log.info("loading %s (%s; resident: %s)", model_id, cause, self._sched.resident())
         else:
-            waiting = [m for m in heads if self._sched.state(m) is ModelState.OFFLOADED]
-            cause = f"evicted (least recently used) to make room for {waiting[0] if waiting else 'another model'}"
+            loads = [a.model_id for a in actions if a.kind is ActionKind.LOAD]
+            waiting = loads or [m for m in heads if self._sched.state(m) is ModelState.OFFLOADED]
+            target = waiting[0] if waiting else "another model"
+            if model_id in preempted:
+                recompute = self._preempt(model_id, target, now)
+                cause = f"preempted ({self._sched.policy} policy) for {target}"
+            else:
+                cause = f"evicted (least recently used) to make room for {target}"
             log.info("offloading %s: %s", model_id, cause)
-        self._pending[seq] = _Pending(name, model_id, time.perf_counter(), info={"cause": cause})
-        self._channel.send(msg.Load(seq, model_id) if name == "load" else msg.Offload(seq, model_id))
+        self._pending[seq] = _Pending(name, model_id, now, info={"cause": cause, "recompute": recompute})
+        self._channel.send(msg.Load(seq, model_id) if name == "load" else
+                           msg.Offload(seq, model_id, recompute=recompute))
+
+    def _preempt(self, model_id: str, target: str, now: float) -> tuple:
+        """Pause a model's sequences; return those whose KV cache is dropped (to be recomputed)."""
+        tb = self._token_batches[model_id]
+        contexts = {sid: len(r.spec.prompt) + len(r.tokens) for sid, r in tb.running.items()}
+        if self.config.kv_swap == "offload":
+            recompute = ()
+        elif self.config.kv_swap == "recompute":
+            recompute = tuple(sorted(contexts))
+        else:
+            recompute = tuple(sorted(choose_recompute(contexts, **self._kv_costs(model_id))))
+        tb.pause(list(recompute), now)
+        self._counters["preemptions"][model_id] += 1
+        self._records.append(PreemptionRecord(model_id, now, target, parked=len(tb.running),
+                                              recomputed=len(recompute), wall_start=self._wall(now)))
+        log.info("preempting %s for %s: %d sequences parked with their KV cache, %d to recompute",
+                 model_id, target, len(tb.running), len(recompute))
+        return recompute
+
+    def _kv_costs(self, model_id: str) -> Dict[str, float]:
+        """What moving a KV cache and recomputing it cost here, from this model's own records."""
+        steps = [r for r in self._records if r.kind == "step" and r.model_id == model_id][-200:]
+        tokens = sum(len(r.spec.prompt) + len(r.tokens) for r in self._token_batches[model_id].running.values())
+        kv_per_token = steps[-1].kv_bytes / tokens if steps and tokens else 0.0
+        load = self._last_swap[model_id].get("load")
+        copy_bps = load["bytes"] / max(load["seconds"], 1e-9) / self.n_workers if load else 1e10
+        return {"kv_bytes_per_token": kv_per_token, "copy_bytes_per_s": copy_bps,
+                "prefill_tokens_per_s": self._prefill_rate.get(model_id, 2000.0)}
 
     def _dispatch_batch(self, model_id: str) -> None:
         queue = self._queues[model_id]
@@ -382,7 +441,8 @@ class Engine:
                                                  f"{type(exc).__name__}: {exc}"))
         seq = next(self._seqs)
         self._pending[seq] = _Pending("step", model_id, t0, uids=tuple(tb.running),
-                                      info={"admitted": len(admit), "dropped": len(drop)})
+                                      info={"admitted": len(admit), "dropped": len(drop),
+                                            "prompt_tokens": sum(len(a.prompt) for a in admit)})
         self._channel.send(msg.Step(seq, model_id, admit=tuple(admit), drop=drop))
         self._pending[seq].master_s = time.perf_counter() - t0
 
@@ -516,6 +576,18 @@ class Engine:
             log.error("offloading %s reported: %s", m, error)
         else:
             log.info("offloaded %s in %.1f ms", m, seconds * 1e3)
+        tb = self._token_batches.get(m)
+        if tb is not None and (p.info.get("recompute") or tb.running):
+            parked = [x for x in p.replies.values() if isinstance(x, msg.Offloaded)]
+            states = {sid: st for x in parked for sid, st in x.gen_states.items()}
+            for req in tb.to_recompute:
+                if req.uid in states:
+                    req.gen_state = states[req.uid]
+            kv = sum(x.kv_parked_bytes for x in parked)
+            if kv:
+                self._records.append(KVRecord("kv_offload", m, p.start, now, kv,
+                                              {x.rank: (x.end - x.kv_park_s, x.end) for x in parked},
+                                              wall_start=self._wall(p.start)))
         self._sched.on_offloaded(m)
 
     def _complete_step(self, seq: int, p: _Pending, now: float, times, error: Optional[str]) -> None:
@@ -546,6 +618,14 @@ class Engine:
                 if sid in ended:
                     del tb.running[sid]
                     self._finish(sid, torch.tensor(req.tokens, dtype=torch.int64), batch_seq=seq)
+        restored = sum(x.kv_restored_bytes for x in done)
+        if restored:
+            self._records.append(KVRecord("kv_restore", m, p.start, now, restored,
+                                          {x.rank: (x.start, x.start + x.kv_restore_s) for x in done},
+                                          wall_start=self._wall(p.start)))
+        if error is None and p.info.get("prompt_tokens") and now > p.start:
+            rate = p.info["prompt_tokens"] / (now - p.start)
+            self._prefill_rate[m] = 0.8 * self._prefill_rate.get(m, rate) + 0.2 * rate
         self._record(StepRecord(m, p.start, now, running=len(out.sids) if out else 0,
                                 admitted=p.info.get("admitted", 0), dropped=p.info.get("dropped", 0),
                                 rank_times=times, error=error, seq=seq,
@@ -630,6 +710,37 @@ class Engine:
                 self._on_close(already_dead)
         finally:
             self._stopped.set()
+
+
+def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:
+    """Device bytes per rank each model needs: its largest shard plus the KV reserve."""
+    ids = {m for w in workers for m in w.host_bytes}
+    return {m: int(max(w.host_bytes.get(m, 0) for w in workers) * (1 + config.kv_reserve)) for m in ids}
+
+
+def device_budget(config: EngineConfig, workers: List[msg.WorkerReady]) -> Optional[int]:
+    """``EngineConfig.device_budget`` in bytes per rank (a fraction is of the smallest device)."""
+    b = config.device_budget
+    if b is None or (isinstance(b, int) and not isinstance(b, bool)):
+        return b
+    memory = min((w.device_memory for w in workers if w.device_memory), default=0)
+    if not memory:
+        raise ValueError(f"EngineConfig.device_budget={b}: a fraction needs the device's memory size, "
+                         "which the workers could not tell; give a byte count")
+    return int(b * memory)
+
+
+def check_memory(config: EngineConfig, workers: List[msg.WorkerReady]) -> None:
+    """Refuse, before serving, models that can never fit the device budget (names and numbers)."""
+    budget = device_budget(config, workers)
+    if budget is None:
+        return
+    sizes = model_sizes(config, workers)
+    too_big = {m: b for m, b in sizes.items() if b > budget}
+    if too_big:
+        raise ValueError(f"EngineConfig.device_budget={budget} bytes per rank cannot hold "
+                         + ", ".join(f"model {m!r} ({b} bytes per rank: shard + {config.kv_reserve:g} KV reserve)"
+                                     for m, b in sorted(too_big.items())))
 
 
 def _first_error(failures: Dict[int, msg.CommandFailed]) -> Optional[str]:

@@ -295,6 +295,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             raise LaunchError("the master could not join the workers' process group in time")
         if "error" in init:
             raise LaunchError(f"the master could not join the process group: {init['error']}")
+        _check_memory(config, ready)
     except BaseException:
         workers.stop(grace_s=0)
         if dist.is_initialized():
@@ -368,6 +369,14 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
                      payload.rank, payload.host, payload.device, len(payload.host_bytes),
                      sum(payload.host_bytes.values()) / 2**20, timeout - (deadline - time.monotonic()))
     return ready
+
+
+def _check_memory(config: EngineConfig, ready: List[msg.WorkerReady]) -> None:
+    from .engine import check_memory
+    try:
+        check_memory(config, ready)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _destroy_in_background() -> None:
@@ -463,6 +472,11 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
         problems.append(f"{layout.n_workers - 1 - len(startup['ready']) - len(startup['failed'])} worker(s) "
                         f"did not report ready within {config.start_timeout_s}s (EngineConfig.start_timeout_s)")
     problems += [f"rank {f.rank}:\n{f.error}" for f in startup["failed"]]
+    if not problems:
+        try:
+            _check_memory(config, [worker.ready_message()] + startup["ready"])
+        except LaunchError as exc:
+            problems.append(str(exc))
     if problems:
         why = "\n".join(problems)
         channel.send(msg.Shutdown())

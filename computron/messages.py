@@ -16,6 +16,7 @@ class Command(enum.Enum):
     OFFLOAD = "offload"
     RUN = "run"
     STEP = "step"
+    DROP = "drop"
     STATS = "stats"
     SHUTDOWN = "shutdown"
 
@@ -29,9 +30,22 @@ class Load:
 
 @dataclass(frozen=True)
 class Offload:
+    """Release the model's weights from the device. Its running sequences (a preemption) are parked:
+    their KV caches go to host memory, except those in ``recompute``, which are dropped (a later
+    prefill of prompt + generated tokens rebuilds them)."""
     seq: int
     model_id: str
+    recompute: Tuple[int, ...] = ()
     kind = Command.OFFLOAD
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Forget these sequences of a model, parked or running, without running anything."""
+    seq: int
+    model_id: str
+    sids: Tuple[int, ...]
+    kind = Command.DROP
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,8 @@ class SeqSpec:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    gen_state: Optional[bytes] = None
+    """A resumed sampled sequence's random generator state (instead of ``seed``)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,8 @@ class WorkerReady:
     host: str
     device: str
     host_bytes: Dict[str, int] = field(default_factory=dict)  # model_id -> shard bytes
+    device_memory: int = 0
+    """Total memory of this rank's device (host RAM for CPU workers), for fractional device budgets."""
     batching: Dict[str, dict] = field(default_factory=dict)
     """model_id -> OPTBatchManager arguments for causal LMs (pad/eos ids, vocabulary, positions)."""
 
@@ -113,6 +131,12 @@ class Loaded:
     end: float
     nbytes: int
     device_bytes: int
+    tier: str = "host"
+    """Where this rank found the shard: "host" (host memory) or "disk" (read from its checkpoint first)."""
+    read_s: float = 0.0
+    """Seconds this load spent reading from disk (the read overlaps the copy; 0 from host)."""
+    read_bytes: int = 0
+    """Bytes this load read from disk (this rank's shard; 0 from host)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +147,11 @@ class Offloaded:
     start: float
     end: float
     device_bytes: int
+    kv_parked_bytes: int = 0
+    """KV cache bytes of paused sequences moved to host memory (this rank)."""
+    kv_park_s: float = 0.0
+    gen_states: Dict[int, bytes] = field(default_factory=dict)
+    """Output rank: generator states of sampled sequences dropped for recompute."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +183,9 @@ class StepDone:
     ended: Tuple[int, ...] = ()
     running: int = 0
     kv_bytes: int = 0
+    kv_restored_bytes: int = 0
+    """KV cache bytes of paused sequences brought back from host memory at the start of this step."""
+    kv_restore_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,3 +226,9 @@ class Stats:
     device_reserved_bytes: int
     host_bytes: int
     resident: tuple
+    kv_bytes: int = 0
+    """KV caches on the device (all models)."""
+    host_kv_bytes: int = 0
+    """KV caches of paused sequences parked in host memory."""
+    host_resident: tuple = ()
+    """Models whose shard this rank holds in host memory (the others wait on disk: disk tier)."""

@@ -78,6 +78,36 @@ class StepRecord(_Timed):
 
 
 @dataclass(frozen=True)
+class PreemptionRecord:
+    """A model's turn ended with sequences still running: they paused, and it left the devices."""
+    model_id: str
+    at: float
+    """master clock (perf_counter) when the preemption was decided."""
+    for_model: str
+    """The model that takes its place."""
+    parked: int
+    """Sequences whose KV cache went to host memory."""
+    recomputed: int
+    """Sequences whose KV cache was dropped, to be rebuilt by a prefill on resume."""
+    kind: str = "preemption"
+    wall_start: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVRecord(_Timed):
+    """KV caches moved for preempted sequences: ``kind`` 'kv_offload' (device to host, at the offload)
+    or 'kv_restore' (host to device, at the model's first step after it came back); per-rank times."""
+    kind: str
+    model_id: str
+    start: float
+    end: float
+    nbytes: int
+    """Bytes moved by all ranks together."""
+    rank_times: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    wall_start: float = 0.0
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     uid: int
     model_id: str
@@ -92,6 +122,8 @@ class RequestRecord:
     """perf_counter when its first token was produced (token-level generation)."""
     n_tokens: int = 0
     """Tokens it produced (token-level generation)."""
+    preemptions: int = 0
+    """How often its sequence was paused by a preemption."""
 
     @property
     def latency(self) -> float:

@@ -20,13 +20,28 @@ Rules:
 - with ``overlap``, a batch may be sent to a model that is still loading
   (the worker starts each layer once its weights have arrived), but only
   while no other model is resident: workers run batches in command order, so
-  such a batch would hold up other models' batches until the load ends.
+  such a batch would hold up other models' batches until the load ends;
+- a model fits when the resident count stays within ``max_loaded`` (None: no
+  count cap) and, with a ``device_budget``, the resident models' ``sizes``
+  (bytes per rank, KV reserve included) stay within it; LRU victims are evicted
+  until the waiting model fits; ``pinned`` models are never evicted; a higher
+  ``priority`` is visited first and evicted last;
+- a model that has just loaded is not evicted before its first batch;
+- token-level generation (``running``: models with live sequences): such a
+  model is never evicted by the rules above. Under the ``quantum`` policy a
+  waiting model may preempt it once its turn (time since its first step after
+  loading) reached ``quantum_s``; under ``deadline``, once the waiting model's
+  oldest request has used half of ``ttft_slo_s`` and the victim had a minimal
+  turn, or at once when it has waited ``4 * ttft_slo_s`` (anti-starvation; such
+  a model is also visited first). Preemption queues the victim's offload behind
+  its step in flight and the waiting model's load right behind that; the
+  victim's sequences pause, and resume when it is loaded again.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Set
 
 
 class ModelState(enum.Enum):
@@ -49,23 +64,44 @@ class Action:
 
 
 _RESIDENT = (ModelState.LOADING, ModelState.LOADED, ModelState.OFFLOADING)
+POLICIES = ("run_to_completion", "quantum", "deadline")
 
 
 class Scheduler:
-    def __init__(self, model_ids: Iterable[str], max_loaded: int, *, prefetch: bool = False,
-                 overlap: bool = False, max_inflight: int = 2):
+    def __init__(self, model_ids: Iterable[str], max_loaded: Optional[int], *, prefetch: bool = False,
+                 overlap: bool = False, max_inflight: int = 2, policy: str = "run_to_completion",
+                 quantum_s: float = 0.2, ttft_slo_s: float = 1.0, sizes: Optional[Mapping[str, int]] = None,
+                 device_budget: Optional[int] = None, pinned: Iterable[str] = (),
+                 priority: Optional[Mapping[str, int]] = None):
         self.model_ids = list(model_ids)
         self._order = {m: i for i, m in enumerate(self.model_ids)}  # ties between equal heads
         if len(set(self.model_ids)) != len(self.model_ids):
             raise ValueError("model ids must be unique")
-        if max_loaded < 1:
-            raise ValueError(f"max_loaded={max_loaded}: must be >= 1")
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded={max_loaded}: must be >= 1 or None")
+        if max_loaded is None and device_budget is None:
+            raise ValueError("max_loaded=None needs a device_budget")
         if max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight}: must be >= 1")
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: must be one of {POLICIES}")
         self.max_loaded = max_loaded
         self.prefetch = prefetch
         self.overlap = overlap
         self.max_inflight = max_inflight
+        self.policy = policy
+        self.quantum_s = quantum_s
+        self.ttft_slo_s = ttft_slo_s
+        self.sizes = {m: int((sizes or {}).get(m, 0)) for m in self.model_ids}
+        self.device_budget = device_budget
+        self.pinned: Set[str] = set(pinned)
+        self.priority = {m: int((priority or {}).get(m, 0)) for m in self.model_ids}
+        if device_budget is not None:
+            too_big = {m: b for m, b in self.sizes.items() if b > device_budget}
+            if too_big:
+                raise ValueError(f"device_budget={device_budget} bytes per rank cannot hold "
+                                 + ", ".join(f"model {m!r} ({b} bytes per rank with its KV reserve)"
+                                             for m, b in too_big.items()))
         self.states: Dict[str, ModelState] = {m: ModelState.OFFLOADED for m in self.model_ids}
         self.inflight: Dict[str, int] = {m: 0 for m in self.model_ids}
         self._last_used: Dict[str, int] = {m: -1 for m in self.model_ids}
@@ -74,6 +110,12 @@ class Scheduler:
         self._slot_promised: Dict[str, str] = {}
         # models whose OFFLOAD is already queued behind their in-flight batches
         self._offload_queued: set = set()
+        self._turn_start: Dict[str, float] = {}
+        """When each resident model's turn began (its first batch after loading), on the caller's clock."""
+        self._unserved: set = set()
+        """Loaded models that have had no batch since: not evicted before their first."""
+        self.preempted: List[str] = []
+        """Models with live sequences whose offload the last ``decide`` queued (preemptions)."""
 
     # ---- queries -------------------------------------------------------------
     def state(self, model_id: str) -> ModelState:
@@ -84,6 +126,17 @@ class Scheduler:
 
     def _slots_used(self) -> int:
         return sum(1 for m in self.model_ids if self.states[m] in _RESIDENT)
+
+    def _fits(self, m: str, leaving: Iterable[str] = ()) -> bool:
+        """Would ``m`` fit beside the resident models, not counting those in ``leaving``?"""
+        leaving = set(leaving)
+        staying = [v for v in self.resident() if v not in leaving and v != m]
+        if self.max_loaded is not None and len(staying) + 1 > self.max_loaded:
+            return False
+        if self.device_budget is not None and \
+                sum(self.sizes[v] for v in staying) + self.sizes[m] > self.device_budget:
+            return False
+        return True
 
     def _touch(self, model_id: str) -> None:
         self._clock += 1
@@ -100,65 +153,127 @@ class Scheduler:
         return self.overlap and all(v == m or v in self._offload_queued for v in self.resident())
 
     def _lru(self, candidates: List[str]) -> Optional[str]:
-        return min(candidates, key=lambda m: self._last_used[m]) if candidates else None
+        return min(candidates, key=lambda m: (self.priority[m], self._last_used[m])) if candidates else None
+
+    def _starving(self, m: str, heads: Mapping[str, float], now: Optional[float]) -> bool:
+        return self.policy == "deadline" and now is not None and now - heads[m] >= 4 * self.ttft_slo_s
+
+    def _preemptible(self, m: str, heads: Mapping[str, float], running: Set[str],
+                     now: Optional[float]) -> List[str]:
+        """Resident models with live sequences that ``m`` may preempt now, under the policy."""
+        if now is None or self.policy == "run_to_completion":
+            return []
+        waited = now - heads[m]
+        out = []
+        for v in self.model_ids:
+            if (v == m or v not in running or v in self.pinned or v in self._offload_queued
+                    or self.states[v] is not ModelState.LOADED or v in self._unserved
+                    or self.priority[v] > self.priority[m]):
+                continue
+            turn = now - self._turn_start.get(v, now)
+            if self.policy == "quantum":
+                ok = turn >= self.quantum_s
+            else:
+                ok = self._starving(m, heads, now) or (
+                    waited >= self.ttft_slo_s / 2 and turn >= min(self.quantum_s, self.ttft_slo_s) / 4)
+            if ok:
+                out.append(v)
+        return out
 
     # ---- decisions -----------------------------------------------------------
-    def decide(self, heads: Mapping[str, float], running: Iterable[str] = ()) -> List[Action]:
-        """``running``: models with sequences generating on the workers (token-level); they are never
-        evicted, as a model with batches in flight is not."""
+    def decide(self, heads: Mapping[str, float], running: Iterable[str] = (),
+               now: Optional[float] = None) -> List[Action]:
+        """``heads``: each model with work and the arrival time of its oldest request (for a model whose
+        sequences are paused: when they paused). ``running``: models with live sequences on the workers
+        (token-level generation); they are evicted only by preemption. ``now``: the caller's clock, on
+        the scale of ``heads``; without it nothing is preempted."""
         running = set(running)
         unknown = [m for m in heads if m not in self.states]
         if unknown:
             raise KeyError(f"unknown model ids in heads: {unknown}")
+        self.preempted = []
         actions: List[Action] = []
         waiting_for_slot = False
-        for m in sorted(heads, key=lambda k: (heads[k], self._order[k])):
+        order = sorted(heads, key=lambda k: (not self._starving(k, heads, now), -self.priority[k], heads[k],
+                                             self._order[k]))
+        for m in order:
             state = self.states[m]
             if self._runnable(m):
                 limit = 1 if waiting_for_slot else self.max_inflight
                 if self.inflight[m] < limit:
                     self.inflight[m] += 1
+                    if m in self._unserved:
+                        self._unserved.discard(m)
+                        if now is not None:
+                            self._turn_start[m] = now
                     self._touch(m)
                     actions.append(Action(ActionKind.RUN, m))
                 continue
             if state is not ModelState.OFFLOADED or waiting_for_slot:
                 continue
             promised = [v for v, w in self._slot_promised.items() if w == m]
-            if promised and self._slots_used() >= self.max_loaded:
+            if promised and not self._fits(m):
                 waiting_for_slot = True
                 continue
-            if self._slots_used() < self.max_loaded:
-                # a slot is free (another model left): take it rather than wait for the victim
+            if self._fits(m):
+                # room (another model left): take it rather than wait for the victims
                 for v in promised:
                     del self._slot_promised[v]
                 actions.extend(self._start_load(m, heads))
                 continue
-            idle = [v for v in self.model_ids if self.states[v] is ModelState.LOADED
-                    and self.inflight[v] == 0 and v not in self._offload_queued and v not in running]
-            victim = self._lru(idle)
-            if victim is not None:
-                self.states[victim] = ModelState.OFFLOADING
-                self._slot_promised[victim] = m
-                actions.append(Action(ActionKind.OFFLOAD, victim))
+            # evict idle models, least recently used first, until m fits
+            leaving, victims = set(), []
+            idle = [v for v in self.model_ids if self.states[v] is ModelState.LOADED and self.inflight[v] == 0
+                    and v not in self._offload_queued and v not in running and v not in self.pinned
+                    and not (v in self._unserved and v in heads)]
+            while idle and not self._fits(m, leaving):
+                v = self._lru(idle)
+                idle.remove(v)
+                victims.append(v)
+                leaving.add(v)
+            if victims and self._fits(m, leaving):
+                for v in victims:
+                    self.states[v] = ModelState.OFFLOADING
+                    self._slot_promised[v] = m
+                    actions.append(Action(ActionKind.OFFLOAD, v))
                 waiting_for_slot = True
                 continue
-            if self.prefetch:
-                draining = [v for v in self.model_ids if self.states[v] is ModelState.LOADED
-                            and v not in heads and v not in self._offload_queued and v not in running]
-                victim = self._lru(draining)
-                if victim is not None:
-                    self._offload_queued.add(victim)
-                    actions.append(Action(ActionKind.OFFLOAD, victim))
-                    actions.extend(self._start_load(m, heads))
-                    continue
+            # otherwise queue offloads behind batches in flight: models draining their last batch
+            # (prefetch), then models whose turn is over (preemption); m's load goes right behind
+            draining = [v for v in self.model_ids if self.states[v] is ModelState.LOADED and v not in heads
+                        and v not in self._offload_queued and v not in running
+                        and v not in self.pinned] if self.prefetch else []
+            preemptible = self._preemptible(m, heads, running, now)
+            # offloads already sent or queued free their slots before a load sent now (command order)
+            queued = []
+            gone = self._offload_queued | {v for v in self.model_ids if self.states[v] is ModelState.OFFLOADING}
+            for pool in (victims, draining, preemptible):
+                pool = [v for v in pool if v not in queued]
+                while pool and not self._fits(m, gone | set(queued)):
+                    v = self._lru(pool)
+                    pool.remove(v)
+                    queued.append(v)
+            if queued and self._fits(m, gone | set(queued)):
+                for v in queued:
+                    if self.inflight[v]:
+                        self._offload_queued.add(v)  # OFFLOADING once its last batch is answered
+                    else:
+                        self.states[v] = ModelState.OFFLOADING
+                    if v in running:
+                        self.preempted.append(v)
+                    actions.append(Action(ActionKind.OFFLOAD, v))
+                actions.extend(self._start_load(m, heads))
+                continue
             waiting_for_slot = True
         return actions
 
     def _start_load(self, m: str, heads: Mapping[str, float]) -> List[Action]:
         self.states[m] = ModelState.LOADING
+        self._unserved.add(m)
         out = [Action(ActionKind.LOAD, m)]
         if m in heads and self._may_overlap(m):
             self.inflight[m] += 1
+            self._unserved.discard(m)
             self._touch(m)
             out.append(Action(ActionKind.RUN, m))
         return out
@@ -177,16 +292,19 @@ class Scheduler:
     def on_load_failed(self, m: str) -> None:
         self._expect(m, ModelState.LOADING)
         self.states[m] = ModelState.OFFLOADED
+        self._unserved.discard(m)
         # with overlap, batches sent to the loading model are still in flight: each
         # one is answered (as a failure) and brings its own on_batch_done
 
     def on_offloaded(self, m: str) -> None:
-        # LOADED only for a model whose offload is queued behind its batches (prefetch)
+        # LOADED only for a model whose offload is queued behind its batches (prefetch, preemption)
         queued = m in self._offload_queued
         self._expect(m, ModelState.OFFLOADING, *((ModelState.LOADED,) if queued else ()))
         self.states[m] = ModelState.OFFLOADED
         self._slot_promised.pop(m, None)
         self._offload_queued.discard(m)
+        self._unserved.discard(m)
+        self._turn_start.pop(m, None)
 
     def on_batch_done(self, m: str) -> None:
         if self.inflight[m] <= 0:
@@ -197,3 +315,25 @@ class Scheduler:
 
     def can_accept_batches(self, m: str) -> bool:
         return self._runnable(m)
+
+
+def choose_recompute(contexts: Mapping[int, int], kv_bytes_per_token: float, copy_bytes_per_s: float,
+                     prefill_tokens_per_s: float) -> Set[int]:
+    """Which paused sequences lose their KV cache (rebuilt later by a prefill) rather than have it
+    copied to host memory and back: those whose context is cheaper to recompute than to move twice.
+
+    ``contexts``: sequence -> tokens in its cache (prompt + generated). Costs per sequence:
+    copy = 2 * n * kv_bytes_per_token / copy_bytes_per_s (out and back); recompute =
+    n / prefill_tokens_per_s * (1 + n / ATTENTION_SCALE), the second factor standing for attention's
+    quadratic share, which the measured rate (from short prompts) does not show. So short contexts
+    are recomputed where prefill is cheap per token, long ones copied. Unknown rates (zero) keep the
+    cache (copying never loses work).
+    """
+    if kv_bytes_per_token <= 0 or copy_bytes_per_s <= 0 or prefill_tokens_per_s <= 0:
+        return set()
+    copy_per_token = 2 * kv_bytes_per_token / copy_bytes_per_s
+    return {sid for sid, n in contexts.items()
+            if n / prefill_tokens_per_s * (1 + n / ATTENTION_SCALE) < n * copy_per_token}
+
+
+ATTENTION_SCALE = 4096

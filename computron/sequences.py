@@ -39,6 +39,9 @@ class Request:
     tokens: List[int] = field(default_factory=list)
     admitted: Optional[float] = None
     first_token: Optional[float] = None
+    gen_state: Optional[bytes] = None
+    """Sampling generator state of a sequence paused for recompute, handed back on resume."""
+    preemptions: int = 0
 
     def _call(self, fn, *args) -> None:
         try:
@@ -83,13 +86,38 @@ class TokenBatch:
         """sid (= request uid) -> request, for every sequence the workers hold."""
         self.to_drop: set = set()
         """Sequences the workers still hold but nobody waits for (cancelled, timed out)."""
+        self.to_recompute: Deque[Request] = deque()
+        """Paused sequences whose KV cache was dropped: re-admitted first, as prompt + generated tokens."""
+        self.paused_since: Optional[float] = None
+        """When the model was last preempted (its running sequences parked), None while it runs."""
         self.step_admitted: Tuple[int, ...] = ()
 
     def has_work(self, queue: Deque[SubmitEntry]) -> bool:
-        return bool(self.running or self.to_drop or queue)
+        return bool(self.running or self.to_drop or self.to_recompute or queue)
+
+    @property
+    def live(self) -> bool:
+        """Sequences exist on the workers, or wait to be recomputed: the model is mid-generation."""
+        return bool(self.running or self.to_drop or self.to_recompute)
 
     def oldest(self) -> Optional[float]:
-        return min((r.submitted for r in self.running.values()), default=None)
+        return min((r.submitted for r in list(self.running.values()) + list(self.to_recompute)), default=None)
+
+    def pause(self, recompute: List[int], now: float) -> None:
+        """The model was preempted: ``recompute`` lose their KV cache, the others are parked with it."""
+        for sid in recompute:
+            req = self.running.pop(sid)
+            self.to_recompute.append(req)
+        for req in list(self.running.values()) + list(self.to_recompute):
+            req.preemptions += 1
+        self.paused_since = now
+
+    def resume_spec(self, req: Request) -> SeqSpec:
+        """A paused sequence rebuilt by prefill: its prompt plus every token generated so far."""
+        spec = req.spec
+        return SeqSpec(sid=spec.sid, prompt=spec.prompt + tuple(req.tokens),
+                       max_tokens=spec.max_tokens - len(req.tokens), eos=spec.eos, temperature=spec.temperature,
+                       top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed, gen_state=req.gen_state)
 
     def spec_for(self, uid: int, data: Dict[str, Any]) -> SeqSpec:
         """A request's sequence as the workers need it; the batch manager validated ``data`` at submit."""
@@ -113,6 +141,14 @@ class TokenBatch:
         requests that cannot become a sequence (a batch manager that let a bad field through)."""
         admit, rejected, budget = [], [], self.max_step_tokens
         now = time.perf_counter()
+        self.paused_since = None
+        while self.to_recompute and len(self.running) + len(admit) < self.max_batch_size \
+                and (not admit or budget > 0):
+            req = self.to_recompute.popleft()
+            spec = self.resume_spec(req)
+            budget -= len(spec.prompt)
+            self.running[spec.sid] = req
+            admit.append(spec)
         while queue and len(self.running) + len(admit) < self.max_batch_size:
             entry = queue[0]
             req = requests[entry.uid]
@@ -134,17 +170,23 @@ class TokenBatch:
         self.step_admitted = tuple(s.sid for s in admit)
         return admit, drop, rejected
 
-    def cancel(self, uid: int) -> bool:
-        """Forget a running sequence; the workers drop it at the next step. True if it was running."""
-        if self.running.pop(uid, None) is None:
-            return False
-        self.to_drop.add(uid)
-        return True
+    def cancel(self, uid: int) -> Optional[str]:
+        """Forget a sequence: 'workers' if the workers still hold it (drop it there: next step, or a Drop
+        command while the model is away), 'paused' if it was waiting for recompute, None if unknown."""
+        if self.running.pop(uid, None) is not None:
+            self.to_drop.add(uid)
+            return "workers"
+        for req in self.to_recompute:
+            if req.uid == uid:
+                self.to_recompute.remove(req)
+                return "paused"
+        return None
 
     def take_all(self) -> List[Request]:
-        """Every running sequence, removed (the model's step failed)."""
-        out = list(self.running.values())
+        """Every running or paused sequence, removed (the model's step failed)."""
+        out = list(self.running.values()) + list(self.to_recompute)
         self.running.clear()
+        self.to_recompute.clear()
         return out
 
 

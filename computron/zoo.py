@@ -92,20 +92,47 @@ def _fill_from_pool(model, seed: int, pool_size: int = 1 << 22) -> None:
                 flat[start:start + n].copy_(pool[off:off + n])
 
 
+def _dtype(dtype: str, where: str) -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(f"{where}: dtype={dtype!r}: must be one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def checkpoint_dtype(path: str) -> Optional[str]:
+    """The dtype name a checkpoint's config.json records (``dtype``, or the older ``torch_dtype``), or None."""
+    import json
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("dtype") or cfg.get("torch_dtype")
+
+
 def save_random_causal_lm(name: str, path: str, seed: int = 0, dtype: str = "float32", **cfg) -> str:
     """Write a seeded random checkpoint of shape ``name`` to ``path`` (safetensors); return ``path``.
 
-    An existing checkpoint at ``path`` is kept. Several processes may call this
-    at once (every rank under torchrun): each writes a private directory and
-    renames it into place, and the first rename wins.
+    An existing checkpoint at ``path`` is kept if it has the same dtype (a different dtype raises
+    ``ValueError``: put the dtype in the directory name). Several processes may call this at once
+    (every rank under torchrun): each writes a private directory and renames it into place, and the
+    first rename wins.
     """
+    _dtype(dtype, f"save_random_causal_lm({name!r})")
     if os.path.isfile(os.path.join(path, "config.json")):
+        have = checkpoint_dtype(path)
+        if have is not None and have != dtype:
+            raise ValueError(f"checkpoint {path!r} already holds {have} weights, not dtype={dtype!r}: "
+                             "use another directory (e.g. with the dtype in its name) or delete it")
         return path
     model = random_causal_lm(name, seed=seed, dtype=dtype, **cfg)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)
-    model.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     try:
         os.rename(tmp, path)
     except OSError:  # someone else finished first
@@ -116,13 +143,22 @@ def save_random_causal_lm(name: str, path: str, seed: int = 0, dtype: str = "flo
 
 
 def load_causal_lm(path: str, dtype: Optional[str] = None):
-    """Load a local checkpoint directory (never the hub). The ``model_fn`` of the examples."""
+    """Load a local checkpoint directory (never the hub). The ``model_fn`` of the examples.
+
+    ``dtype`` (``float32``, ``float16``, ``bfloat16``) converts the weights on load; None keeps the
+    checkpoint's own dtype.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        what = "is not a directory" if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else \
+            "does not exist"
+        raise FileNotFoundError(f"load_causal_lm: checkpoint directory {path!r} {what} "
+                                "(local checkpoints only: nothing is downloaded)")
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     kwargs = {"local_files_only": True}
     if dtype is not None:
-        kwargs["dtype"] = _DTYPES[dtype]
+        kwargs["dtype"] = _dtype(dtype, f"load_causal_lm({path!r})")
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 

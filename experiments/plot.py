@@ -51,16 +51,16 @@ def _plain_minor(v, _pos=None) -> str:
     return f"{v:g}" if int(round(mant)) in (2, 3, 5) else ""
 
 
-def _grid(n: int, panel_width: float):
+def _grid(n: int, panel_width: float, sharey: bool = False):
     cols = min(3, n)
     rows = (n + cols - 1) // cols
-    return plt.subplots(rows, cols, figsize=(panel_width * cols, 3.8 * rows), squeeze=False)
+    return plt.subplots(rows, cols, figsize=(panel_width * cols, 4.2 * rows), squeeze=False, sharey=sharey)
 
 
 def _save(fig, axes, n_used: int, title: str, out_dir: str, name: str) -> str:
     for ax in list(axes.flat)[n_used:]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=110)
@@ -93,19 +93,20 @@ def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
         # plain numbers: matplotlib's default minor labels (3x10^-1, 4x10^-1) collide on a narrow log range
         ax.xaxis.set_major_formatter(FuncFormatter(_plain))
         ax.xaxis.set_minor_formatter(FuncFormatter(_plain_minor))
-        ax.tick_params(axis="x", which="minor", labelsize=8)
+        ax.tick_params(axis="x", which="minor", labelsize=9)
+        ax.tick_params(axis="both", which="major", labelsize=10)
         ax.set_ylim(0, 1.02)
-        ax.set_xlabel("latency (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"rates={rates}\n{model} TP={tp} PP={pp} max_loaded={ml}", fontsize=9)
+        ax.set_xlabel("latency (s)", fontsize=10)
+        ax.set_ylabel("fraction of requests", fontsize=10)
+        ax.set_title(f"rates={rates}\n{model} TP={tp} PP={pp} max_loaded={ml}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
     return _save(fig, axes, n, "latency CDF: solid = ours, dashed = paper mode", out_dir, "sim_cdf.png")
 
 
 def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
     n = len(docs)
-    fig, axes = _grid(n, panel_width=5.5)
+    fig, axes = _grid(n, panel_width=6, sharey=True)  # one y scale: the panels compare configurations
     for ax, d in zip(axes.flat, docs):
         c, summ = d["config"], d["summary"]
         modes = [m for m in ("ours", "paper") if m in summ]
@@ -116,15 +117,16 @@ def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
             bars = ax.bar(x + (j - (len(modes) - 1) / 2) * w, vals, w, label=mode, color=MODE_COLORS.get(mode))
             for b, v in zip(bars, vals):
                 ax.annotate(f"{v:.1f}" if v < 100 else f"{v:.0f}", (b.get_x() + b.get_width() / 2, v),
-                            ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(x, ["offload", "load", "model", "engine\noverhead", "response"], fontsize=8)
-        ax.set_ylabel("mean ms per request")
+                            ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, ["offload", "load", "model", "engine\noverhead", "response"], fontsize=10)
+        ax.tick_params(axis="y", labelsize=10, labelleft=True)
+        ax.set_ylabel("mean ms per request", fontsize=10)
         warm = summ[modes[0]]["warmup_dropped"] if modes else 0
         ml = f" max_loaded={c['max_loaded']}" if "max_loaded" in c else ""
         ax.set_title(f"{c['model_name']} x{c['num_models']} TP={c['tp_world_size']} PP={c['pp_world_size']}{ml} "
                      f"{'blocking' if c['blocking'] else 'all at once'}\nmax_tokens={c['max_tokens']}, "
-                     f"first {warm} requests dropped", fontsize=9)
-        ax.legend(fontsize=8)
+                     f"first {warm} requests dropped", fontsize=10)
+        ax.legend(fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     return _save(fig, axes, n, "round robin: where a request's time goes (mean per request)", out_dir,
                  "rr_breakdown.png")

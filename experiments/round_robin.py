@@ -71,10 +71,20 @@ def _control(rec) -> float:
     return max(0.0, first - rec.start) + max(0.0, rec.end - last)
 
 
+def work_size(rec) -> int:
+    """Requests in a batch record, or sequences in a token-level step record."""
+    return rec.batch_size if rec.kind == "batch" else rec.running
+
+
 def attribute(metrics: Sequence, client: Sequence[dict]) -> List[dict]:
-    """Per-request records from the engine's metrics and the client's own timings (see the module doc)."""
+    """Per-request records from the engine's metrics and the client's own timings (see the module doc).
+
+    With token-level generation the model's work is a series of ``step`` records instead of one ``batch``;
+    a request's ``model`` time is then the sum of its model's steps from its submit to the step that
+    answered it (``RequestRecord.batch_uid`` names that step).
+    """
     reqs = sorted((r for r in metrics if r.kind == "request"), key=lambda r: r.uid)
-    batches = sorted((r for r in metrics if r.kind == "batch"), key=lambda r: r.start)
+    batches = sorted((r for r in metrics if r.kind in ("batch", "step")), key=lambda r: r.start)
     swaps = sorted((r for r in metrics if r.kind in ("load", "offload")), key=lambda r: r.start)
     by_submit = sorted(client, key=lambda c: c["t_submit"])
     if len(reqs) != len(by_submit):
@@ -100,26 +110,29 @@ def attribute(metrics: Sequence, client: Sequence[dict]) -> List[dict]:
             raise RuntimeError(f"request order mismatch: engine uid {rec.uid} is {rec.model_id}, "
                                f"client request {c['i']} is {c['model']}")
         b = batch_of_seq.get(rec.batch_uid) if rec.batch_uid is not None else None
-        loads = load_of_batch.get(id(b), []) if b is not None else []
+        work = [] if b is None else [b] if b.kind == "batch" else [
+            w for w in batches if w.kind == "step" and w.model_id == rec.model_id
+            and w.start >= rec.submitted and w.end <= b.end]
+        loads = [ld for w in work for ld in load_of_batch.get(id(w), [])]
         offs = [o for ld in loads for o in evictions.get(id(ld), [])]
-        own = loads + offs + ([b] if b is not None else [])
+        own = loads + offs + work
         response = c["t_answer"] - c["t_submit"]
         busy = _union_len([(r.start, r.end) for r in own], c["t_submit"], c["t_answer"])
         out.append({
             "i": c["i"], "uid": rec.uid, "model_id": rec.model_id, "ok": c["ok"], "error": c.get("error"),
-            "n_tokens": c.get("n_tokens"), "batch_size": b.batch_size if b is not None else None,
+            "n_tokens": c.get("n_tokens"), "batch_size": work_size(b) if b is not None else None,
             "submit": c["t_submit"], "answer": c["t_answer"],
             "response": response,
             "offload": sum(o.duration for o in offs),
             "load": sum(ld.duration for ld in loads),
-            "model": b.duration if b is not None else 0.0,
+            "model": sum(w.duration for w in work),
             "busy": busy,
             "overhead": response - busy,
             "control": sum(_control(r) for r in own),
             "n_loads": len(loads), "n_offloads": len(offs),
             "load_rank_s": max((max(ld.rank_durations.values(), default=0.0) for ld in loads), default=0.0),
             "offload_rank_s": max((max(o.rank_durations.values(), default=0.0) for o in offs), default=0.0),
-            "model_rank_s": max(b.rank_durations.values(), default=0.0) if b is not None else 0.0,
+            "model_rank_s": sum(max(w.rank_durations.values(), default=0.0) for w in work),
         })
     out.sort(key=lambda r: r["i"])
     return out
@@ -187,21 +200,35 @@ def _fmt(x, unit=1.0, nd=4):
     return "-" if x is None else f"{x * unit:.{nd}f}"
 
 
+RATIO_ROWS = ("offload", "load", "model", "response", "overhead", "control")
+"""Rows that get a paper/ours ratio: measured times. ``resp-ld-md`` is a difference of means (it can be
+negative when the load overlaps the batch), so a ratio of it means nothing and is not printed."""
+
+ROW_HELP = ("offload/load/model: master-side time of the request's evictions, its model's load, its batch; "
+            "response: submit to answer, as the client sees it; overhead: response time in which none of the "
+            "request's own commands was in flight (the engine's own cost); resp-ld-md = response - load - "
+            "model (negative when the load overlaps the batch); ctrl-plane: control-plane time inside those "
+            "records")
+
+
 def print_table(summary: dict, modes: Sequence[str], file=sys.stdout) -> None:
     warm = next(iter(summary.values()))["warmup_dropped"]
-    print(f"mean seconds per request (first {warm} requests dropped as warm-up)", file=file)
-    head = f"{'':<10}" + "".join(f"{m:>12}" for m in modes)
-    if "ours" in modes and "paper" in modes:
+    print(f"mean milliseconds (ms) per request (first {warm} requests dropped as warm-up)", file=file)
+    both = "ours" in modes and "paper" in modes
+    head = f"{'':<10}" + "".join(f"{m + ' ms':>12}" for m in modes)
+    if both:
         head += f"{'paper/ours':>12}"
     print(head, file=file)
     rows = list(FIELDS) + ["response_minus_load_model", "control"]
     names = {"response_minus_load_model": "resp-ld-md", "control": "ctrl-plane"}
     for f in rows:
-        line = f"{names.get(f, f):<10}" + "".join(f"{_fmt(summary[m][f]):>12}" for m in modes)
-        if "ours" in modes and "paper" in modes:
+        line = f"{names.get(f, f):<10}" + "".join(f"{_fmt(summary[m][f], unit=1e3, nd=2):>12}" for m in modes)
+        if both:
             o, p = summary["ours"][f], summary["paper"][f]
-            line += f"{(p / o if o else float('nan')):>12.2f}" if o is not None and p is not None else f"{'-':>12}"
+            ok = f in RATIO_ROWS and o is not None and p is not None and o > 0 and p >= 0
+            line += f"{p / o:>11.2f}x" if ok else f"{'-':>12}"
         print(line, file=file)
+    print(ROW_HELP, file=file)
 
 
 def main(argv=None) -> dict:
@@ -214,7 +241,7 @@ def main(argv=None) -> dict:
     ap.add_argument("-b", "--blocking", action="store_true", help="wait for each answer before the next request")
     ap.add_argument("--max-loaded", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--batch-size", type=int, default=8, help="OPTBatchManager max_batch_size")
+    ap.add_argument("--batch-size", type=int, default=8, help="CausalLMBatchManager max_batch_size")
     ap.add_argument("--modes", default="ours,paper", help="comma-separated: ours, paper")
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
     ap.add_argument("--progress-every", type=int, default=10, help="a progress line on stderr every N answers")

@@ -56,10 +56,18 @@ async def replay(engine, trace: Sequence[Tuple[float, str]], payload: dict, mode
     return list(await asyncio.gather(*tasks)), t_start
 
 
+def _first_work(metrics: Sequence, rec, last):
+    """The first batch (or token-level step) of the request's model that ran for it."""
+    if last.kind == "batch":
+        return last
+    return min((m for m in metrics if m.kind == "step" and m.model_id == rec.model_id
+                and m.start >= rec.submitted and m.end <= last.end), key=lambda m: m.start, default=last)
+
+
 def build_records(client: Sequence[dict], metrics: Sequence, t_start: float, n_warmup: int) -> List[dict]:
     reqs = sorted((r for r in metrics if r.kind == "request"), key=lambda r: r.uid)[n_warmup:]
     by_submit = sorted(client, key=lambda c: c["t_submit"])
-    batch_of_seq = {b.seq: b for b in metrics if b.kind == "batch"}
+    batch_of_seq = {b.seq: b for b in metrics if b.kind in ("batch", "step")}  # step: token-level generation
     if len(reqs) != len(by_submit):
         raise RuntimeError(f"engine recorded {len(reqs)} requests, the client sent {len(by_submit)}")
     out = []
@@ -74,8 +82,8 @@ def build_records(client: Sequence[dict], metrics: Sequence, t_start: float, n_w
             "late": c["t_submit"] - t_start - c["arrival"],
             "latency": c["t_answer"] - c["t_submit"],
             "engine_latency": rec.latency,
-            "batch_size": b.batch_size if b is not None else None,
-            "queue": (b.start - rec.submitted) if b is not None else None,
+            "batch_size": (b.batch_size if b.kind == "batch" else b.running) if b is not None else None,
+            "queue": (_first_work(metrics, rec, b).start - rec.submitted) if b is not None else None,
             "batch": b.duration if b is not None else None,
         })
     out.sort(key=lambda r: r["i"])
@@ -86,7 +94,7 @@ def summarize(records: Sequence[dict], metrics: Sequence, slo: float) -> dict:
     ok = [r["latency"] for r in records if r["ok"]]
     loads = [m for m in metrics if m.kind == "load"]
     offs = [m for m in metrics if m.kind == "offload"]
-    batches = [m for m in metrics if m.kind == "batch"]
+    batches = [m for m in metrics if m.kind in ("batch", "step")]
     return {
         "count": len(records), "answered": len(ok), "errors": len(records) - len(ok),
         "mean": workload.mean(ok), "p50": workload.percentile(ok, 50), "p99": workload.percentile(ok, 99),
@@ -94,7 +102,7 @@ def summarize(records: Sequence[dict], metrics: Sequence, slo: float) -> dict:
         "slo": slo, "slo_attainment": (sum(1 for x in ok if x <= slo) / len(records)) if records else None,
         "max_late": max((r["late"] for r in records), default=None),
         "n_loads": len(loads), "n_offloads": len(offs), "n_batches": len(batches),
-        "mean_batch_size": workload.mean([b.batch_size for b in batches]),
+        "mean_batch_size": workload.mean([b.batch_size if b.kind == "batch" else b.running for b in batches]),
         "load_s_mean": workload.mean([m.duration for m in loads]),
         "offload_s_mean": workload.mean([m.duration for m in offs]),
         "batch_s_mean": workload.mean([m.duration for m in batches]),
@@ -135,6 +143,8 @@ def _raw(rec, t0: float) -> dict:
                  rank_times={str(k): [a - t0, b - t0] for k, (a, b) in rec.rank_times.items()})
         if rec.kind == "batch":
             d.update(seq=rec.seq, uids=list(rec.uids), batch_size=rec.batch_size)
+        elif rec.kind == "step":  # token-level generation: one decode (and admission) step of one model
+            d.update(seq=rec.seq, running=rec.running, admitted=rec.admitted, dropped=rec.dropped)
     if rec.error:
         d["error"] = rec.error
     return d
@@ -144,22 +154,32 @@ def _fmt(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+SUMMARY_ROWS = (  # key, label with its unit, scale
+    ("answered", "answered (req)", None), ("errors", "errors (req)", None),
+    ("mean", "mean (s)", 1.0), ("p50", "p50 (s)", 1.0), ("p99", "p99 (s)", 1.0),
+    ("slo_attainment", None, 1.0), ("n_loads", "loads (count)", None),
+    ("mean_batch_size", "batch (req)", 1.0), ("max_late", "max_late (s)", 1.0),
+)
+
+
 def print_summary(doc: dict, file=sys.stdout) -> None:
     c = doc["config"]
     print(f"config {c['config']}: {c['label']} (x{c['rate_scale']}), {c['model']} tp={c['tp_world_size']} "
           f"pp={c['pp_world_size']} b={c['batch_size']} max_loaded={c['max_loaded']} d={c['duration']}s "
           f"seed={c['seed']}: {c['n_requests']} requests", file=file)
     modes = [m for m in ("ours", "paper") if m in doc["summary"]]
-    keys = ("answered", "errors", "mean", "p50", "p99", "slo_attainment", "n_loads", "mean_batch_size", "max_late")
-    print(f"{'':<16}" + "".join(f"{m:>10}" for m in modes), file=file)
-    for k in keys:
+    print(f"{'':<18}" + "".join(f"{m:>10}" for m in modes), file=file)
+    for k, label, _ in SUMMARY_ROWS:
         vals = [doc["summary"][m][k] for m in modes]
-        name = f"slo<={c['slo']}s" if k == "slo_attainment" else k
-        print(f"{name:<16}" + "".join(f"{(str(v) if isinstance(v, int) else _fmt(v)):>10}" for v in vals),
+        name = f"slo<={c['slo']}s (frac)" if k == "slo_attainment" else label
+        print(f"{name:<18}" + "".join(f"{(str(v) if isinstance(v, int) else _fmt(v)):>10}" for v in vals),
               file=file)
+    print("latencies: submit to answer; slo: fraction of the trace answered within the SLO; batch: mean "
+          "requests per batch; max_late: how far the client's submit fell behind its scheduled arrival at worst "
+          "(near 0 unless the machine was overloaded)", file=file)
     r = doc["summary"].get("ours_over_paper")
     if r:
-        print(f"ours/paper: mean {_fmt(r['mean'])}  p99 {_fmt(r['p99'])}", file=file)
+        print(f"ours/paper: mean {_fmt(r['mean'])}x  p99 {_fmt(r['p99'])}x", file=file)
 
 
 def main(argv=None) -> dict:
@@ -167,7 +187,7 @@ def main(argv=None) -> dict:
     ap.add_argument("-c", "--config", type=int, default=0, help=f"index into workload.CONFIGS (0..{len(workload.CONFIGS) - 1})")
     ap.add_argument("-t", "--tp-world-size", type=int, default=1)
     ap.add_argument("-p", "--pp-world-size", type=int, default=1)
-    ap.add_argument("-b", "--batch-size", type=int, default=8, help="OPTBatchManager max_batch_size")
+    ap.add_argument("-b", "--batch-size", type=int, default=8, help="CausalLMBatchManager max_batch_size")
     ap.add_argument("-d", "--duration", type=float, default=30.0, help="seconds of arrivals")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="opt-tiny", help="a computron.zoo shape name")

@@ -156,11 +156,11 @@ def default_dtype() -> str:
 
 def opt_model_configs(model_name: str, n_models: int, max_batch_size: int, dtype: str = "float32"):
     """``n_models`` OPT models ``m0..m{n-1}`` of zoo shape ``model_name`` with seeded random weights."""
-    from computron import ModelConfig, OPTBatchManager, zoo
+    from computron import CausalLMBatchManager, ModelConfig, zoo
     hf = zoo.hf_config(model_name)
     return [ModelConfig(f"m{i}", zoo.random_causal_lm,
                         {"name": model_name, "seed": i, "dtype": dtype, "fast_init": True},
-                        batch_manager=OPTBatchManager.for_config(hf, max_batch_size=max_batch_size))
+                        batch_manager=CausalLMBatchManager.for_config(hf, max_batch_size=max_batch_size))
             for i in range(n_models)]
 
 

@@ -1,6 +1,7 @@
 """The experiment scripts: Gamma arrivals, a short real sim run, and the plots."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -78,7 +79,10 @@ def test_short_sim_answers_every_request(tmp_path):
         assert s["mean"] == pytest.approx(float(np.mean(lat)))
         assert s["p50"] <= s["p99"] <= s["max"] == pytest.approx(lat[-1])
         assert s["slo_attainment"] == pytest.approx(sum(x <= s["slo"] for x in lat) / len(lat))
-        assert sum(b["batch_size"] for b in doc["engine_records"][mode] if b["kind"] == "batch") == len(trace)
+        # every request was batched once (request-level batches) or admitted once (token-level steps)
+        eng = doc["engine_records"][mode]
+        assert sum(b["batch_size"] for b in eng if b["kind"] == "batch") + \
+            sum(b["admitted"] for b in eng if b["kind"] == "step") == len(trace)
     ratio = doc["summary"]["ours_over_paper"]
     assert ratio["mean"] == pytest.approx(doc["summary"]["ours"]["mean"] / doc["summary"]["paper"]["mean"])
 
@@ -163,3 +167,62 @@ def test_round_robin_attribution_overlapped():
     assert r["busy"] == pytest.approx(0.20)
     assert r["overhead"] == pytest.approx(0.002)
     assert r["response"] - r["load"] - r["model"] < r["overhead"]  # the plain formula goes wrong with overlap
+
+
+def test_tables_print_units_and_no_ratio_of_a_difference():
+    """Round-robin and sim tables name their units; resp-ld-md (a difference, negative for ours) gets no
+    paper/ours ratio; every rr_breakdown panel shares one y scale."""
+    import io
+    import round_robin
+    import sim
+    doc = json.load(open(os.path.join(EXP, "data", "cpu", "rr_opt-125m_t1_p1.json")))
+    out = io.StringIO()
+    round_robin.print_table(doc["summary"], doc["config"]["modes"], file=out)
+    text = out.getvalue()
+    assert "mean milliseconds (ms) per request" in text and "ours ms" in text and "paper ms" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("resp-ld-md"))
+    assert float(row.split()[1]) < 0 and row.split()[-1] == "-", row  # negative for ours, no ratio
+    assert re.search(r"^response .* 2\.49x$", text, re.M), text
+    assert "resp-ld-md = response - load - model" in text
+    out = io.StringIO()
+    sim.print_summary(json.load(open(os.path.join(EXP, "data", "cpu", "sim_c0_opt-125m.json"))), file=out)
+    text = out.getvalue()
+    for label in ("mean (s)", "p99 (s)", "max_late (s)", "slo<=1.0s (frac)", "max_late: how far"):
+        assert label in text, text
+
+    import matplotlib.pyplot as plt
+    import plot
+    seen = {}
+    real_save = plot._save
+
+    def keep(fig, axes, *a, **kw):
+        seen["ylims"] = [ax.get_ylim() for ax in list(axes.flat)[:3]]
+        plt.close(fig)
+        return "x"
+    plot._save = keep
+    try:
+        plot.plot_rr([json.load(open(os.path.join(EXP, "data", "cpu", f"rr_opt-125m_{c}.json")))
+                      for c in ("t1_p1", "t2_p1", "t1_p2")], out_dir=".")
+    finally:
+        plot._save = real_save
+    assert len(set(seen["ylims"])) == 1, seen
+
+
+def test_round_robin_attribution_token_steps():
+    """Token-level generation: a request's model time is its model's steps from submit to the step that
+    answered it; the load belongs to the first of them."""
+    import round_robin
+    from computron.metrics import RequestRecord, StepRecord, SwapRecord
+
+    metrics = [
+        SwapRecord("offload", "m0", 2.00, 2.05),
+        SwapRecord("load", "m1", 2.06, 2.16),
+        StepRecord("m1", 2.17, 2.20, running=1, admitted=1, dropped=0, seq=6),
+        StepRecord("m1", 2.21, 2.25, running=1, admitted=0, dropped=1, seq=7),
+        RequestRecord(1, "m1", 2.00, 2.251, batch_uid=7),
+    ]
+    client = [{"i": 1, "model": "m1", "ok": True, "t_submit": 1.999, "t_answer": 2.252}]
+    (r,) = round_robin.attribute(metrics, client)
+    assert r["offload"] == pytest.approx(0.05) and r["load"] == pytest.approx(0.10)
+    assert r["model"] == pytest.approx(0.07) and r["batch_size"] == 1
+    assert r["overhead"] == pytest.approx(0.253 - 0.05 - 0.10 - 0.07)

@@ -11,6 +11,7 @@ ranks in lock step and lets them stop together.
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any, Dict, Optional
 
 import torch
@@ -225,10 +226,23 @@ class CausalLMRunner(StageRunner):
 
     # ---- token-level generation ---------------------------------------------
     def kv_bytes(self) -> int:
-        return self.running.kv_bytes()
+        """KV caches on the device (not those parked in host memory)."""
+        return 0 if self.running.parked else self.running.kv_bytes()
 
-    def drop_running(self) -> None:
-        self.running.clear()
+    def host_kv_bytes(self) -> int:
+        return self.running.kv_bytes() if self.running.parked else 0
+
+    def park_running(self, recompute) -> Dict[str, Any]:
+        """The model leaves the device: drop the sequences to be recomputed (their sampling generators'
+        states go back to the master) and park the others' KV caches in host memory."""
+        t0 = time.perf_counter()
+        states = self.running.generator_states(recompute) if self.ctx.is_output_rank else {}
+        self.running.drop(recompute)
+        nbytes = self.running.park()
+        return {"kv_parked_bytes": nbytes, "kv_park_s": time.perf_counter() - t0, "gen_states": states}
+
+    def drop_sequences(self, sids) -> None:
+        self.running.drop(sids)
 
     def _chain(self, x, mask, new: int, cache, failed: bool):
         """One forward through the pipeline: receive, run this stage, pass on.
@@ -266,6 +280,9 @@ class CausalLMRunner(StageRunner):
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         rb: RunningBatch = self.running
         rb.drop(cmd.drop)
+        t_restore = time.perf_counter()
+        restored = rb.unpark(dev)
+        t_restore = time.perf_counter() - t_restore
         n_run, admit = len(rb), list(cmd.admit)
         tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
         failed, err, logits = False, None, []
@@ -294,7 +311,12 @@ class CausalLMRunner(StageRunner):
         if ctx.is_output_rank and not failed:
             try:
                 for a in admit:
-                    fresh.generators[a.sid] = torch.Generator(device="cpu").manual_seed(a.seed)
+                    gen = torch.Generator(device="cpu")
+                    if a.gen_state is not None:
+                        gen.set_state(torch.frombuffer(bytearray(a.gen_state), dtype=torch.uint8))
+                    else:
+                        gen.manual_seed(a.seed)
+                    fresh.generators[a.sid] = gen
                 specs = [rb.specs[s] for s in rb.sids] + admit
                 gens = {**rb.generators, **fresh.generators}
                 tokens.copy_(sample(torch.cat([y.cpu() for y in logits]), specs, gens).to(dev))
@@ -319,4 +341,5 @@ class CausalLMRunner(StageRunner):
         sids = list(rb.sids)
         ended = rb.ended([t in rb.specs[s].eos for s, t in zip(sids, toks)])
         rb.drop(ended)
-        return {"sids": tuple(sids), "tokens": tuple(toks), "ended": tuple(ended), "running": len(rb)}
+        return {"sids": tuple(sids), "tokens": tuple(toks), "ended": tuple(ended), "running": len(rb),
+                "kv_restored_bytes": restored, "kv_restore_s": t_restore}

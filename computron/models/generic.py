@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
 
 from .base import StageContext, StageRunner, parallelize
+
+_log = logging.getLogger("computron.models")
 
 
 class ModuleRunner(StageRunner):
@@ -15,6 +18,20 @@ class ModuleRunner(StageRunner):
             raise ValueError(f"model {model_config.model_id!r}: {type(module).__name__} cannot be split "
                              f"into {ctx.pp} pipeline stages; use pp_world_size=1, an nn.Sequential, or "
                              "an OPT/Llama model")
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        can_generate = getattr(module, "can_generate", None)  # a transformers generative model (GPT-2, ...)
+        if model_type is not None and callable(can_generate) and can_generate():
+            from ..preflight import generic_hint, supported_families
+            raise ValueError(f"model {model_config.model_id!r}: {type(module).__name__} ({model_type!r}) is a causal "
+                             f"LM the engine cannot shard (supported model_type: {', '.join(supported_families())})"
+                             f"; {generic_hint()}")
+        if ctx.tp > 1 and model_config.tp_plan is None and any(True for _ in module.parameters()):
+            # not split: every TP rank holds (and loads) the whole module. Refused would break modules
+            # users replicate on purpose; said loudly instead, once per model (by its first rank).
+            if ctx.layout.tp_rank_of(ctx.groups.rank) == 0:
+                _log.warning("model %r: %s cannot be split by tensor parallelism without ModelConfig.tp_plan: "
+                             "each of the %d TP ranks holds the WHOLE module (replicated, not split)",
+                             model_config.model_id, type(module).__name__, ctx.tp)
         self.ctx = ctx
         self.module = module
         parallelize(self.module, model_config.tp_plan or {}, ctx)

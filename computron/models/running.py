@@ -31,6 +31,8 @@ class RunningBatch:
         self.cache = None                          # transformers DynamicCache, one row per sequence
         self.last: Optional[torch.Tensor] = None   # [B] the newest token of each sequence
         self.generators: Dict[int, torch.Generator] = {}
+        self.parked = False
+        """True while the KV caches sit in host memory (the model was preempted and offloaded)."""
 
     def __len__(self) -> int:
         return len(self.sids)
@@ -39,12 +41,45 @@ class RunningBatch:
         self.__init__()
 
     def kv_bytes(self) -> int:
+        """KV cache bytes of these sequences, wherever they are (see ``parked``)."""
         total = 0
         for layer in _layers(self.cache):
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
         return total
+
+    # ---- preemption ------------------------------------------------------------
+    def _move(self, fn) -> None:
+        self.mask, self.last = fn(self.mask), fn(self.last)
+        for layer in _layers(self.cache):
+            layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+    def park(self) -> int:
+        """Move the KV caches to host memory (pinned where CUDA is); return the bytes moved."""
+        if not len(self) or self.parked:
+            return 0
+        if self.mask.device.type == "cuda":
+            def to_host(t):
+                out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                out.copy_(t, non_blocking=True)
+                return out
+            self._move(to_host)
+            torch.cuda.current_stream().synchronize()
+        self.parked = True
+        return self.kv_bytes()
+
+    def unpark(self, device: torch.device) -> int:
+        """Bring parked KV caches back to ``device``; return the bytes moved."""
+        if not self.parked:
+            return 0
+        if device.type == "cuda":
+            self._move(lambda t: t.to(device, non_blocking=True))
+        self.parked = False
+        return self.kv_bytes()
+
+    def generator_states(self, sids: Iterable[int]) -> Dict[int, bytes]:
+        return {s: bytes(self.generators[s].get_state().numpy().tobytes()) for s in sids if s in self.generators}
 
     # ---- leaving -------------------------------------------------------------
     def drop(self, sids: Iterable[int]) -> None:

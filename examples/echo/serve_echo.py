@@ -2,6 +2,8 @@
 
     python examples/echo/serve_echo.py --requests 200
     python examples/echo/serve_echo.py --serve     # serve until SIGINT/SIGTERM (prints READY)
+
+(from the repository root with the venv active: ``source .venv/bin/activate``, or ``.venv/bin/python``.)
 """
 import argparse
 import asyncio

@@ -2,6 +2,8 @@
 
     python examples/mlp/serve_mlp.py --tp 2 --pp 1
     torchrun --nproc_per_node 2 examples/mlp/serve_mlp.py --tp 1 --pp 2
+
+(from the repository root with the venv active: ``source .venv/bin/activate``, or ``.venv/bin/python``.)
 """
 import argparse
 import asyncio

@@ -1,22 +1,27 @@
 """Serve several OPT models from local checkpoints, swapping them through few device slots.
 
-    python examples/opt/serve_opt.py --models 3 --tp 2 --pp 1             # spawns 2 workers
-    torchrun --nproc_per_node 2 examples/opt/serve_opt.py --tp 2          # attach mode
-    colossalai run --nproc_per_node 2 examples/opt/serve_opt.py --tp 2    # the same via Colossal-AI
+    .venv/bin/python examples/opt/serve_opt.py --models 3 --tp 2 --pp 1                # spawns 2 workers
+    .venv/bin/torchrun --nproc_per_node 2 examples/opt/serve_opt.py --tp 2             # attach mode
+    examples/opt/launch.sh colossalai 2 --tp 2                                       # via `colossalai run`
+
+(or ``source .venv/bin/activate`` once, then ``python``, ``torchrun``, ``colossalai run``.)
 
 Each model is a randomly initialised OPT of the named shape with its own seed,
-written with ``save_pretrained`` to ``--ckpt-dir`` and loaded back from there,
-as a real checkpoint would be. Requests go round robin, so with
-``--max-loaded 1`` every request swaps models.
+written with ``save_pretrained`` to ``--ckpt-dir/<shape>-<dtype>-seed<i>`` and
+loaded back from there, as a real checkpoint would be. Requests go round robin,
+so with ``--max-loaded 1`` every request swaps models; the request lines say
+which model each one loaded and which it evicted.
+
+In spawn mode every worker process re-imports this script (Python's ``spawn``
+start method), which is why everything runs under ``if __name__ == "__main__"``.
 """
 import argparse
 import asyncio
-import logging
 import os
 import tempfile
 import time
 
-from computron import EngineConfig, LaunchEngine, ModelConfig, OPTBatchManager, report, zoo
+from computron import EngineConfig, LaunchEngine, ModelConfig, report, zoo
 
 
 def parse_args():
@@ -38,15 +43,29 @@ def parse_args():
     return p.parse_args()
 
 
+def swap_note(records) -> str:
+    """What a request's wait included: the loads and evictions the engine did for it."""
+    loads = [f"loaded {r.model_id} ({r.duration * 1e3:.0f} ms)" for r in records if r.kind == "load"]
+    offs = [f"evicted {r.model_id}" for r in records if r.kind == "offload"]
+    return f"  <- swap: {', '.join(offs + loads)}" if loads or offs else "  (already loaded)"
+
+
 async def client(engine, args):
     print(f"serving {engine.model_ids} over TP={args.tp} x PP={args.pp}, max_loaded={args.max_loaded}")
+    print("weights are random (seeded), so answers are arbitrary token ids and often repeat one id "
+          "(e.g. [394, 394, 394]): expected, not a bug")
+    print("request 0 also pays one-time warm-up (first load of its model, first forward: thread pools, "
+          "allocator), so it is slower than the swaps that follow\n")
     t_start = time.perf_counter()
     for i in range(args.requests):
         model_id = engine.model_ids[i % len(engine.model_ids)]
         prompt = [2] + [10 + (7 * i + k) % 400 for k in range(4 + i % 3)]
+        seen = len(engine.metrics())
         t0 = time.perf_counter()
         out = await engine.submit(model_id, {"input_ids": prompt, "max_tokens": args.max_tokens})
-        print(f"[{i:3d}] {model_id}: prompt {prompt} -> {out.tolist()}  ({(time.perf_counter() - t0) * 1e3:.1f} ms)")
+        dt = (time.perf_counter() - t0) * 1e3
+        note = swap_note(engine.metrics()[seen:])
+        print(f"[{i:3d}] {model_id}: prompt {prompt} -> {out.tolist()}  ({dt:.1f} ms){note}")
     print(f"\n{args.requests} requests in {time.perf_counter() - t_start:.2f}s; model states {engine.model_states()}")
     print("\nswaps (every rank loads its own shard at the same time):")
     print(report.swap_table(engine.metrics()))
@@ -54,16 +73,14 @@ async def client(engine, args):
 
 
 def main():
-    args = parse_args()
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("computron").setLevel(logging.INFO)  # start-up progress
+    args = parse_args()  # computron logs start-up, swaps and errors at INFO by default (COMPUTRON_LOG_LEVEL)
     configs = []
     for s in range(args.models):
-        path = zoo.save_random_causal_lm(args.model, os.path.join(args.ckpt_dir, f"{args.model}-seed{s}"),
-                                         seed=s, dtype=args.dtype)
-        bm = OPTBatchManager.for_config(zoo.hf_config(args.model), max_batch_size=8)
-        configs.append(ModelConfig(f"opt{s}", zoo.load_causal_lm, {"path": path}, batch_manager=bm))
-    config = EngineConfig(max_loaded=args.max_loaded, paper_mode=args.paper_mode,
+        path = os.path.join(args.ckpt_dir, f"{args.model}-{args.dtype}-seed{s}")
+        zoo.save_random_causal_lm(args.model, path, seed=s, dtype=args.dtype)
+        # no batch_manager: the engine builds a CausalLMBatchManager from the checkpoint's config
+        configs.append(ModelConfig(f"opt{s}", zoo.load_causal_lm, {"path": path, "dtype": args.dtype}))
+    config = EngineConfig(max_loaded=args.max_loaded, paper_mode=args.paper_mode, max_batch_size=8,
                           master_host=args.master_host, master_port=args.master_port)
     engine = LaunchEngine(config, configs, args.tp, args.pp, n_nodes=args.nnodes, node_rank=args.node_rank)
     if engine is None:  # a worker rank: it served until the master shut down

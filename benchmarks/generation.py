@@ -1,0 +1,169 @@
+"""Generation benchmark: token-level (continuous batching, streaming) against request-level scheduling.
+
+Prints exactly one JSON line on stdout; progress goes to stderr.
+
+One seeded trace of Gamma arrivals (``experiments/workload.py``) over ``--models``
+causal LMs, all resident (``max_loaded = models``), is replayed twice, one engine
+after the other: ``token`` (``EngineConfig(step_mode=True)``, the default) and
+``request`` (``step_mode=False``: each batch's whole generation is one command,
+the paper's unit). Each request has a prompt of ``--prompt-min``..``--prompt-max``
+random tokens and asks for a lognormal number of new tokens (mean
+``--mean-tokens``, sigma 1, capped at ``--max-tokens-cap``). Every request is sent
+with ``Engine.stream``, so the client sees each token when the engine releases it
+(request level releases them all at the end). Before the trace, one request per
+model loads every model (warm-up, not counted).
+
+Fields (seconds unless named otherwise; ``*_ratio`` = token-level / request-level):
+- ``ttft_mean/p50/p99``: submit to first token. ``tpot_p50/p99``: time per output
+  token after the first, per request. ``e2e_p50/p99``: submit to last token.
+- ``tokens_per_s``: output tokens of the whole trace / (last answer - first arrival).
+- ``master_ms_per_step``: the master's own time per generation step (preparing
+  the step, handling its reply; no forward), mean over the token-level run.
+- ``ttft_p99_ratio``, ``tokens_per_s_ratio``, ``e2e_p99_ratio``. (Request level releases every token
+  of an answer at once, so its time per output token is ~0 by construction: no ratio for it.)
+
+    .venv/bin/python benchmarks/generation.py                  # opt-125m shapes, CPU, ~3 minutes
+    .venv/bin/python benchmarks/generation.py --model opt-tiny --duration 4    # a smoke run
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/http.py is not stdlib http
+sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from workload import machine_info, make_trace, mean, percentile  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="opt-125m", help="zoo OPT shape (random weights)")
+    p.add_argument("--models", type=int, default=3)
+    p.add_argument("--rate", type=float, default=0.5, help="requests/s per model")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of the Gamma arrivals")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mean-tokens", type=float, default=48.0)
+    p.add_argument("--max-tokens-cap", type=int, default=256)
+    p.add_argument("--prompt-min", type=int, default=8)
+    p.add_argument("--prompt-max", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="EngineConfig.worker_threads (0 = automatic)")
+    p.add_argument("--modes", default="token,request")
+    return p.parse_args(argv)
+
+
+def make_requests(args):
+    from computron import zoo
+    ids = [f"m{i}" for i in range(args.models)]
+    trace = make_trace([args.rate] * args.models, args.cv, args.duration, args.seed, ids)
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = zoo.hf_config(args.model).vocab_size
+    sigma = 1.0
+    mu = np.log(args.mean_tokens) - sigma ** 2 / 2
+    reqs = []
+    for t, mid in trace:
+        n_prompt = int(rng.integers(args.prompt_min, args.prompt_max + 1))
+        prompt = [2] + [int(x) for x in rng.integers(4, vocab, size=n_prompt - 1)]
+        n_new = int(min(args.max_tokens_cap, max(1, round(rng.lognormal(mu, sigma)))))
+        reqs.append((t, mid, {"input_ids": prompt, "max_tokens": n_new}))
+    return ids, reqs
+
+
+async def replay(engine, ids, reqs, mode):
+    for mid in ids:  # warm-up: load every model once
+        await engine.submit(mid, {"input_ids": [2, 5], "max_tokens": 1})
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    results = []
+
+    async def one(at, mid, data):
+        await asyncio.sleep(max(0.0, t0 + at - loop.time()))  # the load generator's arrival clock
+        sent = loop.time()
+        first, n = None, 0
+        async for _ in engine.stream(mid, data):
+            n += 1
+            if first is None:
+                first = loop.time()
+        end = loop.time()
+        results.append({"ttft": first - sent, "e2e": end - sent, "tokens": n,
+                        "tpot": (end - first) / (n - 1) if n > 1 else None, "end": end})
+        if len(results) % 10 == 0:
+            print(f"[{mode}] {len(results)}/{len(reqs)} answered, {end - t0:.1f}s", file=sys.stderr, flush=True)
+
+    await asyncio.gather(*[one(*r) for r in reqs])
+    span = max(r["end"] for r in results) - t0
+    steps = engine.metrics("step")
+    return results, span, steps
+
+
+def summarize(results, span, steps):
+    ttft = [r["ttft"] for r in results]
+    e2e = [r["e2e"] for r in results]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    out = {"requests": len(results), "output_tokens": tokens, "span_s": span,
+           "ttft_mean": mean(ttft), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+           "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+           "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99), "tokens_per_s": tokens / span}
+    if steps:
+        out["steps"] = len(steps)
+        out["master_ms_per_step"] = 1e3 * float(np.mean([s.master_s for s in steps]))
+        out["mean_running_per_step"] = float(np.mean([s.running for s in steps]))
+    return out
+
+
+def run_mode(args, mode, ids, reqs):
+    from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
+    configs = [ModelConfig(mid, zoo.random_causal_lm, {"name": args.model, "seed": i, "fast_init": True})
+               for i, mid in enumerate(ids)]
+    config = EngineConfig(max_loaded=len(ids), max_batch_size=args.max_batch_size,
+                          step_mode=(mode == "token"), worker_threads=args.threads)
+    print(f"[{mode}] starting {len(ids)} x {args.model}, TP={args.tp} PP={args.pp}", file=sys.stderr, flush=True)
+    engine = LaunchEngine(config, configs, args.tp, args.pp)
+
+    async def go():
+        async with engine:
+            return await replay(engine, ids, reqs, mode)
+    results, span, steps = asyncio.run(go())
+    summary = summarize(results, span, steps)
+    print(f"[{mode}] {json.dumps(summary)}", file=sys.stderr, flush=True)
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("token", "request")]
+    if bad or not modes:
+        raise SystemExit(f"--modes {args.modes!r}: a comma-separated list of 'token' and 'request'")
+    ids, reqs = make_requests(args)
+    print(f"{len(reqs)} requests over {args.duration}s, {sum(r[2]['max_tokens'] for r in reqs)} tokens asked",
+          file=sys.stderr, flush=True)
+    doc = {"benchmark": "generation", "model": args.model, "models": args.models, "rate_per_model": args.rate,
+           "cv": args.cv, "duration_s": args.duration, "tp": args.tp, "pp": args.pp,
+           "max_batch_size": args.max_batch_size, "machine": machine_info()}
+    for mode in modes:
+        doc[mode] = run_mode(args, mode, ids, reqs)
+    if "token" in doc and "request" in doc:
+        tok, req = doc["token"], doc["request"]
+        for key, a, b in (("ttft_p99_ratio", "ttft_p99", "ttft_p99"), ("tokens_per_s_ratio", "tokens_per_s",
+                                                                      "tokens_per_s"),
+                          ("e2e_p99_ratio", "e2e_p99", "e2e_p99")):
+            doc[key] = tok[a] / req[b] if tok.get(a) and req.get(b) else None
+        doc["master_ms_per_step"] = tok.get("master_ms_per_step")
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

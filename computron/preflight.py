@@ -1,0 +1,250 @@
+"""Checks ``LaunchEngine`` runs before any worker starts.
+
+Every mistake the master can see from the configuration alone fails here, at
+once, as one ``PreflightError`` line naming the model and the field or path,
+instead of later as a worker's traceback:
+
+- a checkpoint path that is missing or not a directory (``zoo.load_causal_lm``'s
+  ``path``, ``from_pretrained``'s ``pretrained_model_name_or_path`` when it is a
+  local path, or any ``path``/``checkpoint``-like keyword that names a missing file);
+- a causal-LM loader pointed at an architecture the engine cannot shard (the
+  checkpoint's ``config.json`` ``model_type``);
+- attention heads, key/value heads, hidden or FFN sizes not divisible by the
+  TP degree, fewer layers than pipeline stages (from ``config.json``, or the
+  named shape of ``zoo.random_causal_lm``);
+- ``device='cuda'`` / ``backend='nccl'`` without CUDA, or fewer GPUs than workers on this node;
+- a fixed ``master_port`` already in use (spawn mode, the node that hosts the rendezvous);
+- a ``model_fn``, keyword argument, ``tp_plan`` or batch manager that cannot be
+  pickled (spawn mode sends them to the workers).
+
+Nothing here builds a model or touches the network: it reads ``config.json``
+files and binds one socket.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import pickle
+import socket
+from typing import Any, Dict, Iterable, List, Optional
+
+from .config import EngineConfig, ModelConfig
+from .errors import LaunchError
+
+# keyword arguments of a model_fn that name a file or directory on disk
+_PATH_KEYS = ("path", "checkpoint", "checkpoint_path", "ckpt", "ckpt_path", "model_path", "checkpoint_dir",
+              "pretrained_model_name_or_path")
+
+
+class PreflightError(LaunchError, ValueError):
+    """A configuration mistake found before any worker started (one line naming the model and field)."""
+
+
+def supported_families() -> List[str]:
+    """The transformers ``model_type`` values whose causal LMs the engine can shard."""
+    from .models.causal_lm import _FAMILIES
+    return sorted(_FAMILIES)
+
+
+def generic_hint() -> str:
+    return ("to serve another module, give ModelConfig a model_fn that returns an nn.Module whose forward "
+            "takes the request as your batch manager makes it (served as a generic module: pp_world_size=1, "
+            "split under TP only by ModelConfig.tp_plan)")
+
+
+def check(config: EngineConfig, model_configs: Iterable[ModelConfig], tp: int, pp: int, n_nodes: int = 1,
+          node_rank: int = 0, attach: Optional[bool] = None) -> None:
+    """Raise ``PreflightError`` for the first mistake found; return None when all is well."""
+    if attach is None:
+        attach = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    _warn_if_in_event_loop()
+    _check_device(config, tp * pp, n_nodes, attach)
+    for mc in model_configs:
+        _check_model(mc, tp, pp)
+    if not attach:
+        if node_rank == 0 and config.master_port:
+            _check_port(config.master_host, config.master_port)
+        for mc in model_configs:
+            _check_picklable(mc)
+
+
+def _warn_if_in_event_loop() -> None:
+    import asyncio
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    logging.getLogger("computron.launch").warning(
+        "LaunchEngine was called inside a running event loop, which it blocks for the whole start-up "
+        "(every worker builds every model): use `await asyncio.to_thread(LaunchEngine, ...)`")
+
+
+# ---- devices and ports ----------------------------------------------------------
+
+def _check_device(config: EngineConfig, n_workers: int, n_nodes: int, attach: bool) -> None:
+    wants_cuda = config.device == "cuda" or config.backend == "nccl"
+    if not wants_cuda and config.device is not None:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        if wants_cuda:
+            field = "device" if config.device == "cuda" else "backend"
+            raise PreflightError(
+                f"EngineConfig.{field}={getattr(config, field)!r}, but torch finds no CUDA device (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda}); use device=None to pick cpu + gloo "
+                "automatically, or device='cpu'")
+        return
+    if attach:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", n_workers)))
+    else:
+        local = n_workers // n_nodes
+    found = torch.cuda.device_count()
+    if found < local:
+        raise PreflightError(f"{local} workers on this node need one GPU each; torch finds {found} "
+                             "(lower tp_world_size * pp_world_size, or CUDA_VISIBLE_DEVICES)")
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds it
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PreflightError(f"EngineConfig.master_port={port}: already in use on {host}; pick another "
+                                     "port, or master_port=0 for a free one (single node)") from None
+            # another address family or a remote host name: the rendezvous will tell
+
+
+# ---- models ----------------------------------------------------------------------
+
+def _is_load_causal_lm(fn) -> bool:
+    from . import zoo
+    return fn is zoo.load_causal_lm
+
+
+def _from_pretrained_class(fn) -> Optional[type]:
+    """The class whose ``from_pretrained`` ``fn`` is, else None."""
+    owner = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", "") == "from_pretrained" and isinstance(owner, type):
+        return owner
+    return None
+
+
+def _looks_local(path: str) -> bool:
+    """Whether a from_pretrained argument is meant as a local path rather than a hub id."""
+    # hub ids are "name" or "org/name"; deeper paths, absolute or relative ones, or a parent that exists here are local
+    return (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+            or bool(os.path.dirname(path)) and os.path.isdir(os.path.dirname(path)))
+
+
+def _read_config(mid: str, key: str, path: str) -> Dict[str, Any]:
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={path!r} has no config.json: "
+                             "not a transformers checkpoint directory (save_pretrained writes one)")
+    try:
+        with open(cfg) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"model {mid!r}: cannot read {cfg}: {exc}") from None
+
+
+def _check_dir(mid: str, key: str, path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={path!r}: expected a checkpoint directory path")
+    path = os.fspath(path)
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(full):
+        raise PreflightError(f"model {mid!r}: checkpoint directory model_kwargs[{key!r}]={path!r} does not exist "
+                             f"({full}); write one with computron.zoo.save_random_causal_lm or save_pretrained")
+    if not os.path.isdir(full):
+        raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={path!r} is a file, not a checkpoint directory")
+    return full
+
+
+def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
+    mid, fn, kw = mc.model_id, mc.model_fn, mc.model_kwargs
+    hf_cfg: Optional[Dict[str, Any]] = None
+    causal_loader = False
+    source = ""
+    cls = _from_pretrained_class(fn)
+    if _is_load_causal_lm(fn):
+        causal_loader = True
+        if "path" not in kw:
+            raise PreflightError(f"model {mid!r}: zoo.load_causal_lm needs model_kwargs['path'] "
+                                 "(a local checkpoint directory)")
+        hf_cfg = _read_config(mid, "path", _check_dir(mid, "path", kw["path"]))
+        source = f"checkpoint {kw['path']!r}"
+    elif cls is not None:
+        causal_loader = "CausalLM" in cls.__name__
+        key = "pretrained_model_name_or_path"
+        path = kw.get(key)
+        if isinstance(path, (str, os.PathLike)):
+            path = os.fspath(path)
+            if os.path.isdir(os.path.expanduser(path)) or _looks_local(path):  # else a hub id (maybe cached)
+                hf_cfg = _read_config(mid, key, _check_dir(mid, key, path))
+                source = f"checkpoint {path!r}"
+    else:
+        from . import zoo
+        if fn is zoo.random_causal_lm and kw.get("name") in zoo.OPT_SHAPES.keys() | zoo.LLAMA_SHAPES.keys():
+            hf_cfg = zoo.hf_config(kw["name"], **{k: kw[k] for k in ("vocab_size", "max_positions") if k in kw}
+                                   ).to_dict()
+            source = f"shape {kw['name']!r}"
+        for key in _PATH_KEYS:  # any model_fn: a path argument that names nothing fails here, not on a worker
+            v = kw.get(key)
+            if isinstance(v, (str, os.PathLike)) and not os.path.exists(os.path.expanduser(os.fspath(v))):
+                raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={os.fspath(v)!r} does not exist")
+    from . import zoo
+    if fn in (zoo.load_causal_lm, zoo.random_causal_lm) and kw.get("dtype") is not None \
+            and kw["dtype"] not in zoo._DTYPES:
+        raise PreflightError(f"model {mid!r}: model_kwargs['dtype']={kw['dtype']!r}: must be one of "
+                             f"{sorted(zoo._DTYPES)} or None")
+    if hf_cfg is None:
+        return
+    bm_vocab = getattr(mc.batch_manager, "vocab_size", None)
+    vocab = hf_cfg.get("vocab_size")
+    if isinstance(bm_vocab, int) and isinstance(vocab, int) and bm_vocab > vocab:
+        raise PreflightError(f"model {mid!r}: ModelConfig.batch_manager.vocab_size={bm_vocab} exceeds the {source}'s "
+                             f"vocab_size={vocab} (it would let out-of-range ids through): leave batch_manager=None "
+                             "to have one built from the checkpoint, or build it with for_config of that config")
+    model_type = hf_cfg.get("model_type")
+    if causal_loader and model_type not in supported_families():
+        raise PreflightError(
+            f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported "
+            f"model_type: {', '.join(supported_families())}); {generic_hint()}")
+    _check_shape(mid, source, hf_cfg, tp, pp)
+
+
+def _check_shape(mid: str, source: str, c: Dict[str, Any], tp: int, pp: int) -> None:
+    text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+    sizes = [("num_attention_heads", text.get("num_attention_heads")),
+             ("num_key_value_heads", text.get("num_key_value_heads")),
+             ("hidden_size", text.get("hidden_size")),
+             ("ffn_dim", text.get("ffn_dim")), ("intermediate_size", text.get("intermediate_size"))]
+    if tp > 1:
+        for name, v in sizes:
+            if isinstance(v, int) and v % tp:
+                raise PreflightError(f"model {mid!r}: {source} has {name}={v}, not divisible by "
+                                     f"tp_world_size={tp}")
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, int) and layers < pp:
+        raise PreflightError(f"model {mid!r}: {source} has num_hidden_layers={layers}, fewer than "
+                             f"pp_world_size={pp} pipeline stages")
+
+
+def _check_picklable(mc: ModelConfig) -> None:
+    mid = mc.model_id
+    parts = [("model_fn", mc.model_fn)] + [(f"model_kwargs[{k!r}]", v) for k, v in mc.model_kwargs.items()]
+    parts += [("tp_plan", mc.tp_plan), ("batch_manager", mc.batch_manager)]
+    for field, value in parts:
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - PicklingError, AttributeError, TypeError all mean the same
+            what = getattr(value, "__qualname__", None) or type(value).__name__
+            raise PreflightError(
+                f"model {mid!r}: ModelConfig.{field} ({what}) cannot be pickled, and spawn mode sends it to "
+                f"every worker: use a module-level function or picklable values, not a lambda or a local "
+                f"function ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None

@@ -1,0 +1,480 @@
+"""Batching for language and image understanding models: classifiers, embeddings, ViT.
+
+Every request is a plain dict and every answer a JSON-able dict, so an HTTP
+front can pass ``await engine.submit(model_id, data)`` straight through.
+
+Text requests (``TextClassificationBatchManager``, ``EmbeddingBatchManager``)
+carry ``input_ids`` (a list of ints or a 1-D integer tensor) with optional
+``attention_mask`` and ``token_type_ids`` of the same length, or, where the
+checkpoint has a tokenizer, ``text`` (and optionally ``text_pair``), which is
+tokenized with it and truncated to the model's positions. Requests are
+right-padded with the pad id to the longest in the batch; the attention mask
+hides the padding, so each answer equals the one the request would get alone.
+
+- sequence classification: ``{"label", "score", "labels": [{"label", "score"}, ...], "logits"}``, the
+  ``top_k`` best labels (request field, default 1) with softmax scores (sigmoid for multi-label models,
+  the raw value for regression);
+- token classification: ``{"labels": [...], "scores": [...], "logits": [[...]]}`` per token, plus
+  ``"tokens"`` when the request was text;
+- embeddings: ``{"embedding": [...], "pooling": "mean"|"cls"}``; ``mean`` (the default) averages the
+  last hidden states over the tokens the attention mask keeps, ``cls`` takes the first token's;
+  ``"normalize": true`` in a request scales its vector to unit length.
+
+Image requests (``ImageClassificationBatchManager``) carry ``pixel_values``
+(``[C, H, W]`` or ``[1, C, H, W]``, a tensor or nested lists, already
+preprocessed to the configured size) or ``image``: encoded image bytes (PNG,
+JPEG, ... or their base64 text), decoded with PIL and preprocessed with the
+checkpoint's image processor. Answer: ``{"label", "score", "labels", "logits"}``
+with the ``top_k`` (default 5) best labels.
+
+``for_checkpoint(path)`` builds each manager from a checkpoint directory's
+``config.json``, tokenizer files and ``preprocessor_config.json``, local files only.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import os
+from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .batch import BatchManager, SubmitEntry, TaskEntry
+
+_TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                    "sentencepiece.bpe.model")
+
+
+def _int_list(data: Dict[str, Any], key: str) -> List[int]:
+    v = data[key]
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 2 and v.shape[0] == 1:
+            v = v[0]
+        if v.dim() != 1 or v.dtype.is_floating_point or v.dtype == torch.bool:
+            raise ValueError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}")
+        return v.tolist()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"{key} must be a list of ints or a 1-D integer tensor")
+    return list(v)
+
+
+def _check_int(data: Dict[str, Any], key: str, lo: int = 1) -> None:
+    v = data.get(key)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+        raise ValueError(f"{key}={v!r}: must be an int >= {lo}")
+
+
+def _labels(id2label: Optional[Dict[Any, str]], n: int) -> List[str]:
+    id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
+    return [id2label.get(i, f"LABEL_{i}") for i in range(n)]
+
+
+def _scores(logits: torch.Tensor, problem_type: Optional[str]) -> torch.Tensor:
+    if logits.shape[-1] == 1 or problem_type == "regression":
+        return logits
+    if problem_type == "multi_label_classification":
+        return logits.sigmoid()
+    return logits.softmax(-1)
+
+
+def _top_k(logits: torch.Tensor, labels: List[str], k: int, problem_type: Optional[str]) -> Dict[str, Any]:
+    """One classification answer: the ``k`` best labels with scores, best first, and the raw logits."""
+    scores = _scores(logits.float(), problem_type)
+    k = max(1, min(int(k), scores.shape[-1]))
+    vals, idx = torch.topk(scores, k)
+    best = [{"label": labels[int(i)], "score": float(v)} for v, i in zip(vals.tolist(), idx.tolist())]
+    return {"label": best[0]["label"], "score": best[0]["score"], "labels": best,
+            "logits": [float(x) for x in logits.tolist()]}
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def _load_config(path: str):
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"checkpoint {path!r} has no config.json")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def _position_limit(config) -> Optional[int]:
+    """Longest input the model's position table serves (RoBERTa's positions start after its pad id)."""
+    n = getattr(config, "max_position_embeddings", None)
+    if n is None:
+        return None
+    if getattr(config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
+        n -= (config.pad_token_id or 0) + 1
+    return n
+
+
+class _TextBatching(BatchManager):
+    """Token ids or text in, right-padded ``input_ids``/``attention_mask``/``token_type_ids`` out."""
+
+    _extra_fields: Tuple[str, ...] = ()
+
+    def __init__(self, max_batch_size: int = 8, pad_token_id: int = 0, vocab_size: Optional[int] = None,
+                 max_length: Optional[int] = None, type_vocab_size: Optional[int] = None, tokenizer=None):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r}: must be an int >= 1")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length={max_length!r}: must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = int(pad_token_id or 0)
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+        self.type_vocab_size = type_vocab_size
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def _text_kwargs(path: str, config, max_batch_size: int, max_length: Optional[int]) -> Dict[str, Any]:
+        tokenizer = None
+        if _has_tokenizer(path):
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        limit = _position_limit(config)
+        if max_length is None:
+            max_length = limit
+        elif limit is not None and max_length > limit:
+            raise ValueError(f"max_length={max_length}: the model has only {limit} positions")
+        pad = config.pad_token_id
+        if pad is None and tokenizer is not None:
+            pad = tokenizer.pad_token_id
+        return dict(max_batch_size=max_batch_size, pad_token_id=pad or 0, vocab_size=config.vocab_size,
+                    max_length=max_length, type_vocab_size=getattr(config, "type_vocab_size", None),
+                    tokenizer=tokenizer)
+
+    # ---- checks at submit time -----------------------------------------------
+    def validate(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise TypeError(f"a request is a dict with 'input_ids' or 'text', got {type(data).__name__}")
+        unknown = set(data) - set(_TEXT_FIELDS) - set(self._extra_fields)
+        if unknown:
+            raise ValueError(f"unknown request fields {sorted(unknown)}")
+        if ("input_ids" in data) == ("text" in data):
+            raise ValueError("exactly one of 'input_ids' and 'text' is required")
+        if "text" in data:
+            if self.tokenizer is None:
+                raise ValueError("text: this model's checkpoint has no tokenizer; send input_ids")
+            for key in ("text", "text_pair"):
+                if key in data and (not isinstance(data[key], str) or not data[key]):
+                    raise ValueError(f"{key} must be a non-empty string")
+            for key in ("attention_mask", "token_type_ids"):
+                if key in data:
+                    raise ValueError(f"{key} goes with input_ids, not with text")
+        else:
+            if "text_pair" in data:
+                raise ValueError("text_pair goes with text, not with input_ids")
+            ids = _int_list(data, "input_ids")
+            if not ids:
+                raise ValueError("input_ids is empty")
+            if min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} "
+                                 f"max {max(ids)}")
+            if self.max_length is not None and len(ids) > self.max_length:
+                raise ValueError(f"input_ids has {len(ids)} tokens; the model takes at most {self.max_length}")
+            if "attention_mask" in data:
+                mask = _int_list(data, "attention_mask")
+                if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+                    raise ValueError("attention_mask must be 0/1 values of the same length as input_ids")
+                if not any(mask):
+                    raise ValueError("attention_mask hides every token")
+            if "token_type_ids" in data:
+                tt = _int_list(data, "token_type_ids")
+                if len(tt) != len(ids):
+                    raise ValueError("token_type_ids must have the same length as input_ids")
+                if tt and (min(tt) < 0 or (self.type_vocab_size is not None and max(tt) >= self.type_vocab_size)):
+                    raise ValueError(f"token_type_ids must lie in [0, {self.type_vocab_size})")
+        self._validate_extra(data)
+
+    def _validate_extra(self, data: Dict[str, Any]) -> None:
+        """Checks of the subclass's own request fields."""
+
+    # ---- batching ------------------------------------------------------------
+    def _encode(self, data: Dict[str, Any]) -> Tuple[List[int], List[int], Optional[List[int]]]:
+        if "text" in data:
+            enc = self.tokenizer(data["text"], data.get("text_pair"), truncation=True,
+                                 max_length=self.max_length)
+            ids = list(enc["input_ids"])
+            return ids, list(enc.get("attention_mask") or [1] * len(ids)), (
+                list(enc["token_type_ids"]) if enc.get("token_type_ids") is not None else None)
+        ids = _int_list(data, "input_ids")
+        mask = _int_list(data, "attention_mask") if "attention_mask" in data else [1] * len(ids)
+        tt = _int_list(data, "token_type_ids") if "token_type_ids" in data else None
+        return ids, mask, tt
+
+    def _take(self, q: Deque[SubmitEntry]) -> List[SubmitEntry]:
+        head = q.popleft()
+        self.validate(head.data)
+        taken = [head]
+        while q and len(taken) < self.max_batch_size:
+            taken.append(q.popleft())
+        return taken
+
+    def _pad(self, taken: List[SubmitEntry]) -> Tuple[Dict[str, torch.Tensor], List[List[int]]]:
+        encoded = [self._encode(e.data) for e in taken]
+        width = max(len(ids) for ids, _, _ in encoded)
+        n = len(taken)
+        ids_t = torch.full((n, width), self.pad_token_id, dtype=torch.int64)
+        mask_t = torch.zeros((n, width), dtype=torch.int64)
+        tt_t = torch.zeros((n, width), dtype=torch.int64)
+        any_tt = False
+        for i, (ids, mask, tt) in enumerate(encoded):
+            ids_t[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            mask_t[i, :len(mask)] = torch.tensor(mask, dtype=torch.int64)
+            if tt is not None:
+                any_tt = True
+                tt_t[i, :len(tt)] = torch.tensor(tt, dtype=torch.int64)
+        batch = {"input_ids": ids_t, "attention_mask": mask_t}
+        if any_tt:
+            batch["token_type_ids"] = tt_t
+        return batch, [ids for ids, _, _ in encoded]
+
+
+class TextClassificationBatchManager(_TextBatching):
+    """Sequence classification (one answer per text) or token classification (one per token).
+
+    Answers name labels from the model's ``config.id2label``. The request field
+    ``top_k`` (sequence classification) asks for that many labels, best first.
+    """
+
+    _extra_fields = ("top_k",)
+
+    def __init__(self, id2label: Optional[Dict[int, str]] = None, num_labels: Optional[int] = None,
+                 task: str = "sequence", problem_type: Optional[str] = None, default_top_k: int = 1, **kw):
+        super().__init__(**kw)
+        if task not in ("sequence", "token"):
+            raise ValueError(f"task={task!r}: must be 'sequence' or 'token'")
+        if num_labels is None:
+            num_labels = len(id2label) if id2label else None
+        if not num_labels:
+            raise ValueError("num_labels: give id2label or num_labels")
+        self.labels = _labels(id2label, num_labels)
+        self.task = task
+        self.problem_type = problem_type
+        self.default_top_k = default_top_k
+
+    @classmethod
+    def for_checkpoint(cls, path: str, max_batch_size: int = 8, max_length: Optional[int] = None,
+                       **kw) -> "TextClassificationBatchManager":
+        """Labels, task (from ``config.architectures``), pad id, limits and tokenizer of a local checkpoint."""
+        config = _load_config(path)
+        archs = config.architectures or []
+        if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
+            raise ValueError(f"checkpoint {path!r}: config.architectures={archs!r} has no sequence or token "
+                             "classification head")
+        task = "token" if any(a.endswith("ForTokenClassification") for a in archs) else "sequence"
+        return cls(id2label=config.id2label, num_labels=config.num_labels, task=task,
+                   problem_type=config.problem_type,
+                   **cls._text_kwargs(path, config, max_batch_size, max_length), **kw)
+
+    def _validate_extra(self, data: Dict[str, Any]) -> None:
+        _check_int(data, "top_k")
+
+    def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
+        taken = self._take(q)
+        batch, ids = self._pad(taken)
+        info = {"lengths": [len(i) for i in ids],
+                "top_k": [int(e.data.get("top_k", self.default_top_k)) for e in taken]}
+        if self.task == "token" and self.tokenizer is not None:
+            info["tokens"] = [self.tokenizer.convert_ids_to_tokens(i) if "text" in e.data else None
+                              for e, i in zip(taken, ids)]
+        return TaskEntry(tuple(e.uid for e in taken), batch), info
+
+    def split_batch(self, task_entry: TaskEntry, lengths: Sequence[int] = (), top_k: Sequence[int] = (),
+                    tokens: Sequence[Optional[List[str]]] = (), **_) -> List[Tuple[Hashable, Any]]:
+        logits = task_entry.batch["logits"]
+        out = []
+        for i, uid in enumerate(task_entry.uids):
+            if self.task == "sequence":
+                out.append((uid, _top_k(logits[i], self.labels, top_k[i] if top_k else 1, self.problem_type)))
+                continue
+            row = logits[i, :lengths[i]] if lengths else logits[i]
+            scores = _scores(row.float(), self.problem_type)
+            best, idx = scores.max(-1)
+            answer = {"labels": [self.labels[int(j)] for j in idx.tolist()],
+                      "scores": [float(s) for s in best.tolist()],
+                      "logits": [[float(x) for x in r] for r in row.tolist()]}
+            if tokens and tokens[i] is not None:
+                answer["tokens"] = list(tokens[i])
+            out.append((uid, answer))
+        return out
+
+
+class EmbeddingBatchManager(_TextBatching):
+    """Sentence embeddings from an encoder's last hidden states: 'mean' pooling (the default) averages the
+    tokens the attention mask keeps; 'cls' takes the first token's state. Works with a bare backbone
+    (``BertModel``) and with a classifier checkpoint, whose head is then skipped."""
+
+    _extra_fields = ("normalize",)
+
+    def __init__(self, pooling: str = "mean", **kw):
+        super().__init__(**kw)
+        from .models.encoder import POOLINGS
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: must be one of {POOLINGS}")
+        self.pooling = pooling
+
+    @classmethod
+    def for_checkpoint(cls, path: str, pooling: str = "mean", max_batch_size: int = 8,
+                       max_length: Optional[int] = None, **kw) -> "EmbeddingBatchManager":
+        config = _load_config(path)
+        return cls(pooling=pooling, **cls._text_kwargs(path, config, max_batch_size, max_length), **kw)
+
+    def _validate_extra(self, data: Dict[str, Any]) -> None:
+        v = data.get("normalize")
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"normalize={v!r}: must be true or false")
+
+    def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
+        taken = self._take(q)
+        batch, _ = self._pad(taken)
+        batch["pooling"] = self.pooling
+        return TaskEntry(tuple(e.uid for e in taken), batch), {
+            "normalize": [bool(e.data.get("normalize", False)) for e in taken]}
+
+    def split_batch(self, task_entry: TaskEntry, normalize: Sequence[bool] = (), **_) -> List[Tuple[Hashable, Any]]:
+        emb = task_entry.batch["embeddings"].float()
+        out = []
+        for i, uid in enumerate(task_entry.uids):
+            v = emb[i]
+            if normalize and normalize[i]:
+                v = torch.nn.functional.normalize(v, dim=-1)
+            out.append((uid, {"embedding": [float(x) for x in v.tolist()], "pooling": self.pooling}))
+        return out
+
+
+class ImageClassificationBatchManager(BatchManager):
+    """ViT-style image classification: ``pixel_values`` or encoded ``image`` bytes in, top-k labels out."""
+
+    def __init__(self, id2label: Optional[Dict[int, str]] = None, num_labels: Optional[int] = None,
+                 image_size: Any = 224, num_channels: int = 3, processor=None, max_batch_size: int = 8,
+                 default_top_k: int = 5, problem_type: Optional[str] = None,
+                 max_image_bytes: int = 32 << 20):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r}: must be an int >= 1")
+        if num_labels is None:
+            num_labels = len(id2label) if id2label else None
+        if not num_labels:
+            raise ValueError("num_labels: give id2label or num_labels")
+        self.labels = _labels(id2label, num_labels)
+        h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        self.shape = (int(num_channels), int(h), int(w))
+        self.processor = processor
+        self.max_batch_size = max_batch_size
+        self.default_top_k = default_top_k
+        self.problem_type = problem_type
+        self.max_image_bytes = max_image_bytes
+
+    @classmethod
+    def for_checkpoint(cls, path: str, max_batch_size: int = 8, **kw) -> "ImageClassificationBatchManager":
+        """Labels and image size from ``config.json``; the image processor from ``preprocessor_config.json``
+        (requests with ``image`` bytes need it; without one only ``pixel_values`` are taken)."""
+        config = _load_config(path)
+        archs = config.architectures or []
+        if not any(a.endswith("ForImageClassification") for a in archs):
+            raise ValueError(f"checkpoint {path!r}: config.architectures={archs!r} has no image "
+                             "classification head")
+        processor = None
+        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+            from transformers import AutoImageProcessor
+            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        return cls(id2label=config.id2label, num_labels=config.num_labels, image_size=config.image_size,
+                   num_channels=config.num_channels, processor=processor, max_batch_size=max_batch_size,
+                   problem_type=config.problem_type, **kw)
+
+    # ---- checks at submit time -----------------------------------------------
+    def _image_bytes(self, v: Any) -> bytes:
+        if isinstance(v, str):
+            if v.startswith("data:") and "," in v:
+                v = v.split(",", 1)[1]
+            try:
+                v = base64.b64decode(v, validate=True)
+            except ValueError:
+                raise ValueError("image: a string must be base64-encoded image bytes") from None
+        if not isinstance(v, (bytes, bytearray)):
+            raise ValueError(f"image must be bytes or base64 text, got {type(v).__name__}")
+        if not v:
+            raise ValueError("image is empty")
+        if len(v) > self.max_image_bytes:
+            raise ValueError(f"image has {len(v)} bytes; at most {self.max_image_bytes} are taken")
+        return bytes(v)
+
+    def _pixels(self, v: Any) -> torch.Tensor:
+        if not isinstance(v, torch.Tensor):
+            try:
+                v = torch.tensor(v, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError("pixel_values must be a tensor or nested lists of numbers") from None
+        if v.dim() == 4 and v.shape[0] == 1:
+            v = v[0]
+        if not (v.dtype.is_floating_point or v.dtype in (torch.uint8, torch.int64, torch.int32)):
+            raise ValueError(f"pixel_values must hold numbers, got {v.dtype}")
+        if tuple(v.shape) != self.shape:
+            raise ValueError(f"pixel_values has shape {tuple(v.shape)}; the model takes {self.shape} "
+                             "(channels, height, width)")
+        v = v.float()
+        if not torch.isfinite(v).all():
+            raise ValueError("pixel_values has NaN or infinite values")
+        return v
+
+    def validate(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise TypeError(f"an image request is a dict with 'pixel_values' or 'image', got {type(data).__name__}")
+        unknown = set(data) - {"pixel_values", "image", "top_k"}
+        if unknown:
+            raise ValueError(f"unknown request fields {sorted(unknown)}")
+        if ("pixel_values" in data) == ("image" in data):
+            raise ValueError("exactly one of 'pixel_values' and 'image' is required")
+        _check_int(data, "top_k")
+        if "pixel_values" in data:
+            self._pixels(data["pixel_values"])
+            return
+        if self.processor is None:
+            raise ValueError("image: this model's checkpoint has no image processor; send pixel_values")
+        raw = self._image_bytes(data["image"])
+        from PIL import Image, UnidentifiedImageError
+        try:
+            Image.open(io.BytesIO(raw))  # reads the header only
+        except (UnidentifiedImageError, OSError):
+            raise ValueError("image: the bytes are no image PIL can read") from None
+
+    # ---- batching ------------------------------------------------------------
+    def _preprocess(self, raw: bytes) -> torch.Tensor:
+        from PIL import Image
+        img = Image.open(io.BytesIO(raw))
+        img = img.convert("RGB" if self.shape[0] == 3 else "L")
+        pv = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
+        if tuple(pv.shape) != self.shape:
+            raise ValueError(f"image processor made shape {tuple(pv.shape)}; the model takes {self.shape}")
+        return pv.float()
+
+    def _prepare(self, data: Dict[str, Any]) -> torch.Tensor:
+        if "pixel_values" in data:
+            return self._pixels(data["pixel_values"])
+        return self._preprocess(self._image_bytes(data["image"]))
+
+    def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
+        head = q.popleft()
+        self.validate(head.data)
+        taken, pixels = [head], [self._prepare(head.data)]
+        while q and len(taken) < self.max_batch_size:
+            try:
+                px = self._prepare(q[0].data)
+            except Exception:  # noqa: BLE001 - an image that does not decode fails alone, as the next head
+                break
+            taken.append(q.popleft())
+            pixels.append(px)
+        batch = {"pixel_values": torch.stack(pixels)}
+        return TaskEntry(tuple(e.uid for e in taken), batch), {
+            "top_k": [int(e.data.get("top_k", self.default_top_k)) for e in taken]}
+
+    def split_batch(self, task_entry: TaskEntry, top_k: Sequence[int] = (), **_) -> List[Tuple[Hashable, Any]]:
+        logits = task_entry.batch["logits"]
+        return [(uid, _top_k(logits[i], self.labels, top_k[i] if top_k else self.default_top_k,
+                             self.problem_type))
+                for i, uid in enumerate(task_entry.uids)]
+
+
+__all__ = ["TextClassificationBatchManager", "EmbeddingBatchManager", "ImageClassificationBatchManager"]

@@ -1,0 +1,231 @@
+"""A newcomer's first hour: the README snippet runs as written, mistakes fail before any worker starts
+as one line naming the model and the field or path, logs reach the console, the tools run."""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+import torch
+
+from computron import EngineConfig, LaunchEngine, LaunchError, ModelConfig, zoo
+from computron.preflight import PreflightError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.dirname(sys.executable)
+STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ", re.M)  # wall-clock log timestamps
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "COMPUTRON_LOG_LEVEL", "COMPUTRON_LOG_FILE"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def readme_snippet() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## The API in ten lines"):]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m, "README: no python block under 'The API in ten lines'"
+    return m.group(1)
+
+
+def _check_snippet_output(proc):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    answers = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert len(answers) == 1, out  # printed once, by the master only
+    ids = json.loads(answers[0][:answers[0].index("]") + 1])
+    assert len(ids) >= 1 and all(isinstance(i, int) for i in ids), out
+    assert "'opt1': 'loaded'" in answers[0], out
+    # the workers' INFO start-up lines reach the console without log_dir, with wall-clock times
+    assert re.search(r"rank1 computron\.worker INFO: rank 1 built opt2", proc.stderr), out
+    assert STAMP.search(proc.stderr), out
+    assert "alltoall" not in out and "Writing model shards" not in out and "Loading weights" not in out, out
+
+
+@pytest.mark.timeout(240)
+def test_readme_snippet_spawn_and_torchrun(tmp_path):
+    """The README's API snippet, verbatim: spawn mode (python), then attach mode (torchrun, 2 processes)."""
+    script = tmp_path / "snippet.py"
+    script.write_text(readme_snippet())
+    master_log = tmp_path / "logs" / "master.log"
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(COMPUTRON_LOG_FILE=str(master_log)),
+                          capture_output=True, text=True, timeout=150)
+    _check_snippet_output(proc)
+    assert re.search(r"master computron\.launch INFO: worker rank 1 ready", proc.stderr), proc.stderr
+    assert STAMP.search(master_log.read_text()) and "worker rank 0 ready" in master_log.read_text()
+    assert (tmp_path / "ckpt" / "opt2" / "config.json").is_file()
+    proc = subprocess.run([os.path.join(VENV_BIN, "torchrun"), "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(script)], cwd=tmp_path, env=_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=150)
+    _check_snippet_output(proc)
+
+
+# ---- preflight: one line naming the model and the field or path, before any worker starts --------
+
+def _launch_fails(configs, match, tp=1, pp=1, **engine_kw):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(PreflightError) as err:
+        LaunchEngine(EngineConfig(**engine_kw), configs, tp_world_size=tp, pp_world_size=pp)
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    assert re.search(match, msg), msg
+    assert isinstance(err.value, LaunchError) and isinstance(err.value, ValueError)
+    started = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not started, "a worker started before the configuration was checked"
+    return msg
+
+
+def test_preflight_checkpoint_paths(tmp_path, checkpoints):
+    missing = str(tmp_path / "no-such-ckpt")
+    _launch_fails([ModelConfig("opt0", zoo.load_causal_lm, {"path": checkpoints["opt0"]}),
+                   ModelConfig("lost", zoo.load_causal_lm, {"path": missing})],
+                  rf"model 'lost': checkpoint directory model_kwargs\['path'\]='{re.escape(missing)}' does not exist")
+    afile = tmp_path / "weights.bin"
+    afile.write_bytes(b"x")
+    _launch_fails([ModelConfig("f", zoo.load_causal_lm, {"path": str(afile)})], r"model 'f': .* is a file")
+    (tmp_path / "empty").mkdir()
+    _launch_fails([ModelConfig("e", zoo.load_causal_lm, {"path": str(tmp_path / "empty")})],
+                  r"model 'e': .*has no config\.json")
+    from transformers import AutoModelForCausalLM
+    _launch_fails([ModelConfig("hf", AutoModelForCausalLM.from_pretrained,
+                               {"pretrained_model_name_or_path": missing})],
+                  r"model 'hf': .*pretrained_model_name_or_path.*does not exist")
+    # and the loader itself, called directly: the path, not a Hub error
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        zoo.load_causal_lm(missing)
+
+
+def test_preflight_unsupported_architecture(tmp_path):
+    ckpt = tmp_path / "gpt2"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_head": 4, "n_layer": 2}))
+    msg = _launch_fails([ModelConfig("gpt", zoo.load_causal_lm, {"path": str(ckpt)})],
+                        r"model 'gpt': checkpoint .* is a 'gpt2' causal LM, which the engine cannot shard")
+    assert "opt" in msg and "llama" in msg and "generic module" in msg
+
+
+def test_preflight_shapes(checkpoints):
+    ckpt = {"path": checkpoints["opt0"]}  # opt-tiny: 4 heads, hidden 64, 4 layers
+    _launch_fails([ModelConfig("opt0", zoo.load_causal_lm, ckpt)],
+                  r"model 'opt0': checkpoint .* has num_attention_heads=4, not divisible by tp_world_size=3", tp=3)
+    _launch_fails([ModelConfig("opt0", zoo.load_causal_lm, ckpt)],
+                  r"model 'opt0': .* num_hidden_layers=4, fewer than pp_world_size=8", pp=8)
+    from computron import CausalLMBatchManager
+    _launch_fails([ModelConfig("opt0", zoo.load_causal_lm, ckpt,
+                               batch_manager=CausalLMBatchManager.for_config(zoo.hf_config("opt-125m")))],
+                  r"model 'opt0': ModelConfig\.batch_manager\.vocab_size=50272 exceeds the checkpoint .*"
+                  r"vocab_size=512")
+    _launch_fails([ModelConfig("opt0", zoo.load_causal_lm, dict(ckpt, dtype="fp16"))],
+                  r"model 'opt0': model_kwargs\['dtype'\]='fp16': must be one of")
+    _launch_fails([ModelConfig("r", zoo.random_causal_lm, {"name": "llama-tiny"})],
+                  r"model 'r': shape 'llama-tiny' has num_key_value_heads=2, not divisible by tp_world_size=4", tp=4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_preflight_cuda_absent():
+    _launch_fails([ModelConfig("m", zoo.mlp)], r"EngineConfig\.device='cuda', but torch finds no CUDA device",
+                  device="cuda")
+
+
+def test_preflight_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _launch_fails([ModelConfig("m", zoo.mlp)],
+                      rf"EngineConfig\.master_port={port}: already in use .*master_port=0 for a free one",
+                      master_port=port)
+
+
+def test_preflight_unpicklable():
+    _launch_fails([ModelConfig("lam", lambda: zoo.mlp())],
+                  r"model 'lam': ModelConfig\.model_fn \(.*<lambda>\) cannot be pickled.*not a lambda")
+    _launch_fails([ModelConfig("kw", zoo.mlp, {"sizes": (4, 4), "seed": threading.Lock()})],
+                  r"model 'kw': ModelConfig\.model_kwargs\['seed'\] \(lock\) cannot be pickled")
+
+
+def gpt2_tiny():
+    """A GPT-2 causal LM built by a user's model_fn: not a family the engine can shard."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.timeout(120)
+def test_unsupported_causal_lm_from_model_fn_fails_the_launch():
+    with pytest.raises(LaunchError, match=r"model 'g': GPT2LMHeadModel \('gpt2'\) is a causal LM the engine "
+                                          r"cannot shard \(supported model_type: .*llama.*opt"):
+        engine = LaunchEngine(EngineConfig(start_timeout_s=100), [ModelConfig("g", gpt2_tiny)])
+        engine.close()  # not reached when the launch fails as it should
+
+
+# ---- dtype -------------------------------------------------------------------------------------
+
+def test_checkpoint_dtype_is_honoured(tmp_path):
+    path = zoo.save_random_causal_lm("opt-tiny", str(tmp_path / "c"), dtype="float16")
+    assert zoo.checkpoint_dtype(path) == "float16"
+    assert zoo.save_random_causal_lm("opt-tiny", path, dtype="float16") == path  # kept
+    with pytest.raises(ValueError, match=r"already holds float16 weights, not dtype='float32'"):
+        zoo.save_random_causal_lm("opt-tiny", path, dtype="float32")
+    assert next(zoo.load_causal_lm(path, dtype="float32").parameters()).dtype == torch.float32
+    assert next(zoo.load_causal_lm(path).parameters()).dtype == torch.float16
+
+
+# ---- the tools ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(200)
+def test_swap_benchmark_with_an_opt_model():
+    """benchmarks/swap.py --model NAME: the path benchmarks/gpu_check.sh takes on a GPU."""
+    proc = subprocess.run([sys.executable, "benchmarks/swap.py", "--model", "opt-tiny", "--repeats", "1",
+                           "--modes", "fast"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["model"] == "opt-tiny" and out["load_s"] > 0 and out["ttfo_s"] > 0, out
+
+
+@pytest.mark.timeout(200)
+def test_launch_sh_colossalai_without_venv_on_path(tmp_path):
+    """examples/opt/launch.sh puts the venv first on PATH (colossalai starts `torchrun` from PATH);
+    the demo's request lines say which models each request loaded and evicted."""
+    if not os.path.exists(os.path.join(VENV_BIN, "colossalai")):
+        pytest.skip("colossalai is not installed (make setup installs it)")
+    env = _env(PATH="/usr/bin:/bin", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(["bash", "examples/opt/launch.sh", "colossalai", "2", "--tp", "2", "--requests", "3",
+                           "--max-tokens", "2", "--ckpt-dir", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "torchrun: command not found" not in out
+    assert re.search(r"\[  0\] opt0: .*<- swap: loaded opt0", out), out[-4000:]
+    assert re.search(r"\[  1\] opt1: .*<- swap: evicted opt0, loaded opt1", out), out[-4000:]
+    assert "random (seeded)" in out and "warm-up" in out
+    assert os.path.isdir(tmp_path / "opt-tiny-float32-seed0")
+
+
+def test_launch_inside_a_running_loop_warns(caplog):
+    """LaunchEngine blocks for the whole start-up: called straight from a coroutine, it says so (and the
+    preflight error still comes first, so nothing starts here)."""
+    import asyncio
+
+    async def main():
+        with pytest.raises(PreflightError):
+            LaunchEngine(EngineConfig(), [ModelConfig("lam", lambda: zoo.mlp())])
+    with caplog.at_level("WARNING", logger="computron"):
+        asyncio.run(main())
+    assert any("asyncio.to_thread(LaunchEngine" in r.getMessage() for r in caplog.records), caplog.text
