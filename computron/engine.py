@@ -610,13 +610,18 @@ class Engine:
         elif out is not None:
             self._counters["tokens"][m] += len(out.sids)
             ended = set(out.ended)
+            # a preemption decided while this step ran may already have moved sequences to recompute
+            paused = {r.uid: r for r in tb.to_recompute}
             for sid, token in zip(out.sids, out.tokens):
-                req = tb.running.get(sid)
+                req = tb.running.get(sid) or paused.get(sid)
                 if req is None:
                     continue  # cancelled while this step ran; the workers drop it next step
                 req.push([token])
                 if sid in ended:
-                    del tb.running[sid]
+                    if sid in tb.running:
+                        del tb.running[sid]
+                    else:
+                        tb.to_recompute.remove(req)
                     self._finish(sid, torch.tensor(req.tokens, dtype=torch.int64), batch_seq=seq)
         restored = sum(x.kv_restored_bytes for x in done)
         if restored:

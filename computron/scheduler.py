@@ -30,7 +30,7 @@ Rules:
 - token-level generation (``running``: models with live sequences): such a
   model is never evicted by the rules above. Under the ``quantum`` policy a
   waiting model may preempt it once its turn (time since its first step after
-  loading) reached ``quantum_s``; under ``deadline``, once the waiting model's
+  loading) reached ``quantum_s`` and it had ``MIN_TURN_STEPS`` steps; under ``deadline``, once the waiting model's
   oldest request has used half of ``ttft_slo_s`` and the victim had a minimal
   turn, or at once when it has waited ``4 * ttft_slo_s`` (anti-starvation; such
   a model is also visited first). Preemption queues the victim's offload behind
@@ -64,6 +64,8 @@ class Action:
 
 
 _RESIDENT = (ModelState.LOADING, ModelState.LOADED, ModelState.OFFLOADING)
+MIN_TURN_STEPS = 4
+"""A model is preempted only after this many steps since it loaded, however short the quantum."""
 POLICIES = ("run_to_completion", "quantum", "deadline")
 
 
@@ -112,6 +114,8 @@ class Scheduler:
         self._offload_queued: set = set()
         self._turn_start: Dict[str, float] = {}
         """When each resident model's turn began (its first batch after loading), on the caller's clock."""
+        self._turn_runs: Dict[str, int] = {}
+        """Batches (steps) each resident model got since it loaded."""
         self._unserved: set = set()
         """Loaded models that have had no batch since: not evicted before their first."""
         self.preempted: List[str] = []
@@ -171,6 +175,8 @@ class Scheduler:
                     or self.priority[v] > self.priority[m]):
                 continue
             turn = now - self._turn_start.get(v, now)
+            if self._turn_runs.get(v, 0) < MIN_TURN_STEPS:
+                continue  # every turn makes progress, however short the quantum
             if self.policy == "quantum":
                 ok = turn >= self.quantum_s
             else:
@@ -202,10 +208,10 @@ class Scheduler:
                 limit = 1 if waiting_for_slot else self.max_inflight
                 if self.inflight[m] < limit:
                     self.inflight[m] += 1
-                    if m in self._unserved:
-                        self._unserved.discard(m)
-                        if now is not None:
-                            self._turn_start[m] = now
+                    self._unserved.discard(m)
+                    self._turn_runs[m] = self._turn_runs.get(m, 0) + 1
+                    if now is not None:
+                        self._turn_start.setdefault(m, now)
                     self._touch(m)
                     actions.append(Action(ActionKind.RUN, m))
                 continue
@@ -219,7 +225,7 @@ class Scheduler:
                 # room (another model left): take it rather than wait for the victims
                 for v in promised:
                     del self._slot_promised[v]
-                actions.extend(self._start_load(m, heads))
+                actions.extend(self._start_load(m, heads, now))
                 continue
             # evict idle models, least recently used first, until m fits
             leaving, victims = set(), []
@@ -262,18 +268,21 @@ class Scheduler:
                     if v in running:
                         self.preempted.append(v)
                     actions.append(Action(ActionKind.OFFLOAD, v))
-                actions.extend(self._start_load(m, heads))
+                actions.extend(self._start_load(m, heads, now))
                 continue
             waiting_for_slot = True
         return actions
 
-    def _start_load(self, m: str, heads: Mapping[str, float]) -> List[Action]:
+    def _start_load(self, m: str, heads: Mapping[str, float], now: Optional[float] = None) -> List[Action]:
         self.states[m] = ModelState.LOADING
         self._unserved.add(m)
         out = [Action(ActionKind.LOAD, m)]
         if m in heads and self._may_overlap(m):
             self.inflight[m] += 1
             self._unserved.discard(m)
+            self._turn_runs[m] = 1
+            if now is not None:
+                self._turn_start[m] = now
             self._touch(m)
             out.append(Action(ActionKind.RUN, m))
         return out
@@ -305,6 +314,7 @@ class Scheduler:
         self._offload_queued.discard(m)
         self._unserved.discard(m)
         self._turn_start.pop(m, None)
+        self._turn_runs.pop(m, None)
 
     def on_batch_done(self, m: str) -> None:
         if self.inflight[m] <= 0:

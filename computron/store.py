@@ -10,6 +10,13 @@ first layers while later ones are still copying. An offload only drops the
 device buffer: inference never changes the weights, so the host copy stays
 valid. Buffers named in ``mutable_buffers`` are the only tensors copied back.
 
+A ``ShardStore`` with a ``source`` (``checkpoint.CheckpointSource``) has a disk
+tier below: its host buffers may be released (``release_host``) and are read
+back from the checkpoint on the next load, on the load thread, segment by
+segment, with the host → device copy of each segment starting as soon as it has
+been read. ``HostPool`` keeps released host buffers (pinned on CUDA) for the
+next model read from disk.
+
 ``PaperStore`` swaps the way the paper did, for side-by-side comparison: one
 ``.to()`` per tensor into freshly allocated memory on load, and on offload a
 fresh host copy of every tensor.
@@ -82,18 +89,82 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     torch's pinned allocator rounds every block up to a power of two (a 13.3 GB
     shard would lock 16 GB), so the buffer is allocated pageable and registered
     with CUDA in place; where registration is refused, the pinned allocator it is.
-    The buffers live as long as the worker, so they are never unregistered.
+    Buffers of models that stay in host memory live as long as the worker; ``free_host`` unregisters
+    the ones the disk tier lets go.
     """
     buf = torch.empty(numel, dtype=dtype)
     try:
         cudart = torch.cuda.cudart()
         cudart.cudaHostRegister(buf.data_ptr(), numel * buf.element_size(), 0)
         if buf.is_pinned():
+            _REGISTERED.add(buf.data_ptr())
             return buf
         cudart.cudaHostUnregister(buf.data_ptr())  # registered in some other way than copies can use
     except Exception:  # noqa: BLE001 - fall back to the allocator below
         pass
     return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+_REGISTERED: set = set()  # data_ptr of host buffers registered by pinned_empty
+
+
+def free_host(buf: torch.Tensor) -> None:
+    """Let a host buffer go (unregistering it from CUDA if pinned_empty registered it)."""
+    ptr = buf.data_ptr()
+    if ptr in _REGISTERED:
+        _REGISTERED.discard(ptr)
+        try:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:  # noqa: BLE001 - freed anyway
+            log.warning("could not unregister a pinned host buffer", exc_info=True)
+
+
+class HostPool:
+    """Host buffers (pinned on CUDA) of models that left host memory, kept for the next model read from
+    disk: same-shaped models reuse them without allocating, pinning or page-faulting again."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: Dict[torch.dtype, List[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements (at most a quarter more than asked)."""
+        with self._lock:
+            free = self._free.get(dtype, [])
+            fits = [b for b in free if numel <= b.numel() <= numel + numel // 4]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                free[:] = [b for b in free if b is not best]  # by identity: == on tensors compares values
+                return best
+        return pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buf.dtype, []).append(buf)
+
+    def trim(self, keep_bytes: int, keep_for: Optional[Dict[torch.dtype, int]] = None) -> None:
+        """Free buffers, largest first, until at most ``keep_bytes`` stay in the pool besides the ones
+        ``take`` would hand out for ``keep_for`` (dtype -> elements: the model about to be read)."""
+        with self._lock:
+            spared = set()
+            for dt, numel in (keep_for or {}).items():
+                fits = [b for b in self._free.get(dt, []) if numel <= b.numel() <= numel + numel // 4]
+                if fits:
+                    spared.add(id(min(fits, key=lambda b: b.numel())))
+            bufs = sorted((b for v in self._free.values() for b in v if id(b) not in spared),
+                          key=lambda b: -b.numel() * b.element_size())
+            total = sum(b.numel() * b.element_size() for b in bufs)
+            for b in bufs:
+                if total <= keep_bytes:
+                    break
+                self._free[b.dtype] = [x for x in self._free[b.dtype] if x is not b]
+                total -= b.numel() * b.element_size()
+                free_host(b)
+
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
 
 
 class DevicePool:
@@ -114,7 +185,7 @@ class DevicePool:
             fits = [b for b in free if b.numel() >= numel]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
-                free.remove(best)
+                free[:] = [b for b in free if b is not best]  # by identity: == on tensors compares values
                 return best
             free.clear()  # nothing fits: give the memory back before asking for more
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -201,17 +272,30 @@ class ShardStore(_StoreBase):
     """The fast path: contiguous (pinned) host buffers, reused device buffers, chunked copies."""
 
     def __init__(self, module, segments, device, pool: Optional[DevicePool] = None,
-                 mutable_buffers: Sequence[str] = (), copy_stream=None):
+                 mutable_buffers: Sequence[str] = (), copy_stream=None, source=None,
+                 host_pool: Optional[HostPool] = None, keep_host: bool = True):
+        """``source``: a ``checkpoint.CheckpointSource`` the shard is read from (the module's tensors
+        are then empty); the host copy is read at once when ``keep_host``, else on the first load."""
         super().__init__(module, segments, device, mutable_buffers)
         self.pool = pool
         self.copy_stream = copy_stream
+        self.source = source
+        self.host_pool = host_pool
+        self.last_tier = "host"   # where the last load found the shard: "host" or "disk"
+        self.last_read_s = 0.0    # disk read of the last load (or of start-up), seconds and bytes
+        self.last_read_bytes = 0
+        self.last_used = 0        # the worker's host LRU clock
         pin = self.cuda
         totals: Dict[torch.dtype, int] = {}
         for s in self.slots:
             s.offset = totals.get(s.dtype, 0)
             totals[s.dtype] = s.offset + s.numel
-        self.host: Dict[torch.dtype, torch.Tensor] = {
-            dt: pinned_empty(n, dt) if pin else torch.empty(n, dtype=dt) for dt, n in totals.items()}
+        self._totals = totals
+        if source is not None:
+            source.check(self.slots)
+            self.host: Dict[torch.dtype, torch.Tensor] = {}
+        else:
+            self.host = {dt: pinned_empty(n, dt) if pin else torch.empty(n, dtype=dt) for dt, n in totals.items()}
         # contiguous [start, end) per (segment, dtype): slots are sorted by segment
         self._ranges: List[List[Tuple[torch.dtype, int, int]]] = [[] for _ in range(self.n_segments)]
         bounds: Dict[Tuple[int, torch.dtype], List[int]] = {}
@@ -222,13 +306,70 @@ class ShardStore(_StoreBase):
             self._ranges[seg].append((dt, a, b))
         with torch.no_grad():
             for s in self.slots:
-                self.host[s.dtype][s.offset:s.offset + s.numel].copy_(s.tensor.detach().reshape(-1))
+                if source is None:
+                    self.host[s.dtype][s.offset:s.offset + s.numel].copy_(s.tensor.detach().reshape(-1))
                 s.tensor.data = self._placeholder(s.dtype)
         self._dev: Dict[torch.dtype, torch.Tensor] = {}
         self._loader: Optional[threading.Thread] = None
+        if source is not None and keep_host:
+            self.read_host()
 
     def device_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._dev.values())
+
+    # ---- the disk tier -------------------------------------------------------
+    @property
+    def host_resident(self) -> bool:
+        """Whether the shard is in host memory (always, without a checkpoint source)."""
+        return bool(self.host)
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.host.values())
+
+    @property
+    def evictable(self) -> bool:
+        """May leave host memory now: read from a checkpoint, held in host memory, neither resident on
+        the device nor loading, and no buffer a forward changed (the checkpoint lacks those changes)."""
+        return (self.source is not None and bool(self.host) and not self.resident
+                and not any(s.mutable for s in self.slots))
+
+    def _alloc_host(self) -> Dict[torch.dtype, torch.Tensor]:
+        if self.host_pool is not None:
+            return {dt: self.host_pool.take(dt, n) for dt, n in self._totals.items()}
+        return {dt: pinned_empty(n, dt) if self.cuda else torch.empty(n, dtype=dt)
+                for dt, n in self._totals.items()}
+
+    def _drop_host(self) -> None:
+        host, self.host = self.host, {}
+        for buf in host.values():
+            if self.host_pool is not None:
+                self.host_pool.give(buf)
+            else:
+                free_host(buf)
+
+    def read_host(self) -> Tuple[float, int]:
+        """Read the shard from the checkpoint into host memory now (start-up); (seconds, bytes)."""
+        from .checkpoint import read_segments
+        host = self._alloc_host()
+        try:
+            dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments)
+        except BaseException:
+            self.host = host
+            self._drop_host()
+            raise
+        self.host = host
+        self.last_read_s, self.last_read_bytes = dt, n
+        return dt, n
+
+    def release_host(self) -> int:
+        """Let the host copy go (the disk tier: the next load reads it again); returns the bytes freed."""
+        if self.source is None:
+            raise RuntimeError("this model has no checkpoint to read it back from")
+        if self.resident:
+            raise RuntimeError("the model is resident on the device or loading")
+        n = self.host_bytes()
+        self._drop_host()
+        return n
 
     def begin_load(self, on_done: Callable[[float, float, Optional[BaseException]], None]) -> None:
         """Start copying; returns at once. ``on_done(start, end, error)`` runs when all has arrived."""
@@ -236,9 +377,11 @@ class ShardStore(_StoreBase):
             raise RuntimeError("model is already loaded on this worker")
         t0 = time.perf_counter()
         bufs: Dict[torch.dtype, torch.Tensor] = {}
+        from_disk = self.source is not None and not self.host
+        self.last_tier = "disk" if from_disk else "host"
+        self.last_read_s, self.last_read_bytes = 0.0, 0
         try:
-            for dt, host in self.host.items():
-                n = host.numel()
+            for dt, n in self._totals.items():
                 bufs[dt] = (self.pool.take(dt, n) if self.pool is not None
                             else torch.empty(n, dtype=dt, device=self.device))
         except BaseException:
@@ -252,17 +395,51 @@ class ShardStore(_StoreBase):
         ready = _Readiness(self.n_segments, self.cuda)
         self._ready = ready
         self.resident = True
-        self._loader = threading.Thread(target=self._copy, args=(ready, t0, on_done),
+        self._loader = threading.Thread(target=self._copy, args=(ready, t0, on_done, from_disk),
                                         name="computron-load", daemon=True)
         self._loader.start()
 
-    def _copy(self, ready: _Readiness, t0: float, on_done) -> None:
+    def _start_read(self):
+        """Read the shard from disk on a thread of its own, segment by segment; the copy of a segment
+        to the device waits only for that segment (read-ahead overlapping the copy)."""
+        from .checkpoint import read_segments
+        arrived = [threading.Event() for _ in range(self.n_segments)]
+        state = {"error": None}
+        host = self._alloc_host()
+        self.host = host
+
+        def read():
+            try:
+                dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments,
+                                      on_segment=lambda i: arrived[i].set())
+                self.last_read_s, self.last_read_bytes = dt, n
+            except BaseException as exc:  # noqa: BLE001 - the copier reports it
+                state["error"] = exc
+            finally:
+                for e in arrived:
+                    e.set()
+
+        reader = threading.Thread(target=read, name="computron-read", daemon=True)
+        reader.start()
+
+        def wait(i: int) -> None:
+            arrived[i].wait()
+            if state["error"] is not None:
+                raise state["error"]
+        return reader, wait
+
+    def _copy(self, ready: _Readiness, t0: float, on_done, from_disk: bool = False) -> None:
         error = None
+        reader = None
         try:
+            wait = lambda i: None  # noqa: E731 - the host copy is all there
+            if from_disk:
+                reader, wait = self._start_read()
             if self.cuda:
                 torch.cuda.set_device(self.device)  # a new thread starts on device 0
                 with torch.cuda.stream(self.copy_stream):
                     for i, ranges in enumerate(self._ranges):
+                        wait(i)
                         for dt, a, b in ranges:
                             self._dev[dt][a:b].copy_(self.host[dt][a:b], non_blocking=True)
                         ev = torch.cuda.Event()
@@ -271,6 +448,7 @@ class ShardStore(_StoreBase):
                     self.copy_stream.synchronize()
             else:
                 for i, ranges in enumerate(self._ranges):
+                    wait(i)
                     for dt, a, b in ranges:
                         self._dev[dt][a:b].copy_(self.host[dt][a:b])
                     ready.mark(i)
@@ -279,6 +457,10 @@ class ShardStore(_StoreBase):
             ready.fail(exc)
         else:
             ready.done.set()
+        if reader is not None:
+            reader.join()
+            if error is not None:  # a partial host copy is no copy: the next load reads again
+                self._drop_host()
         try:
             on_done(t0, time.perf_counter(), error)
         except Exception:  # noqa: BLE001 - a reply that cannot be sent: the master notices the silence

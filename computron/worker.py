@@ -20,7 +20,7 @@ import torch
 from . import messages as msg
 from .config import EngineConfig, ModelConfig
 from .models import StageContext, make_runner
-from .store import DevicePool, PaperStore, ShardStore
+from .store import DevicePool, HostPool, PaperStore, ShardStore
 
 log = logging.getLogger("computron.worker")
 
@@ -38,33 +38,108 @@ class Worker:
         self.stores: Dict[str, object] = {}
         self.pool = DevicePool(device) if device.type == "cpu" else None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_pool = HostPool(pin=device.type == "cuda") if engine_config.host_budget is not None else None
+        self._host_clock = 0  # host LRU: last load of each model
         self._busy: Optional[tuple] = None  # (seq, since) of the command being executed
         self._stop_heartbeat = threading.Event()
 
     # ---- start-up ------------------------------------------------------------
     def build(self) -> None:
-        for mid, mc in self.model_configs.items():
+        """Build this rank's shard of every model. A model with a local safetensors checkpoint
+        (``checkpoint.checkpoint_of``) is built on the meta device and only this rank's slices are
+        read, into host memory while ``host_budget`` allows, else left on disk until its first load;
+        any other model is built in full by its ``model_fn`` and cut down."""
+        budget = self.config.host_budget
+        host_used, read_s, read_bytes = 0, 0.0, 0
+        n = len(self.model_configs)
+        for k, (mid, mc) in enumerate(self.model_configs.items()):
             t0 = time.perf_counter()
-            module = mc.model_fn(**mc.model_kwargs)
-            if not isinstance(module, torch.nn.Module):
-                raise TypeError(f"model {mid!r}: model_fn returned {type(module).__name__}, not a torch.nn.Module")
-            module.eval()
             ctx = StageContext(groups=self.groups, device=self.device, model_id=mid)
-            runner = make_runner(module, mc, ctx)
+            runner, source = self._build_from_checkpoint(mid, mc, ctx)
+            if runner is None:
+                module = mc.model_fn(**mc.model_kwargs)
+                if not isinstance(module, torch.nn.Module):
+                    raise TypeError(f"model {mid!r}: model_fn returned {type(module).__name__}, not a torch.nn.Module")
+                module.eval()
+                runner = make_runner(module, mc, ctx)
             if self.config.paper_mode:
                 store = PaperStore(runner.module, runner.segments, self.device, mc.mutable_buffers)
             else:
                 store = ShardStore(runner.module, runner.segments, self.device, pool=self.pool,
-                                   mutable_buffers=mc.mutable_buffers, copy_stream=self.copy_stream)
+                                   mutable_buffers=mc.mutable_buffers, copy_stream=self.copy_stream,
+                                   source=source, host_pool=self.host_pool, keep_host=False)
             self.runners[mid] = runner
             self.stores[mid] = store
-            log.info("rank %d built %s: %.1f MB shard in %.2fs", self.rank, mid, store.nbytes / 2**20,
-                     time.perf_counter() - t0)
+            where = "host"
+            if source is None:
+                host_used += store.nbytes
+            elif budget is None or host_used + store.nbytes <= budget:
+                dt, nb = store.read_host()
+                read_s, read_bytes = read_s + dt, read_bytes + nb
+                host_used += store.nbytes
+                where = f"host, read {nb / 2**20:.1f} MB in {dt:.2f}s = {nb / max(dt, 1e-9) / 1e9:.2f} GB/s"
+            else:
+                where = "disk (beyond host_budget: read on first load)"
+            store.last_used = 0
+            log.info("rank %d built %s (%d/%d): %.1f MB shard %s in %.2fs [%s]", self.rank, mid, k + 1, n,
+                     store.nbytes / 2**20, "from checkpoint slices" if source is not None else "from model_fn",
+                     time.perf_counter() - t0, where)
+        if read_bytes:
+            log.info("rank %d read %.1f MB of checkpoint slices in %.2fs = %.2f GB/s", self.rank,
+                     read_bytes / 2**20, read_s, read_bytes / max(read_s, 1e-9) / 1e9)
+        if budget is not None and host_used > budget:
+            log.warning("rank %d: models without a safetensors checkpoint hold %.1f MB of host memory, over "
+                        "host_budget=%d bytes (they cannot go back to disk)", self.rank, host_used / 2**20, budget)
+
+    def _build_from_checkpoint(self, mid: str, mc: ModelConfig, ctx: StageContext):
+        """(runner, source) built from checkpoint slices, or (None, None) to use model_fn."""
+        from . import checkpoint as ck
+        where = ck.checkpoint_of(mc)
+        if where is None or self.config.paper_mode:
+            return None, None
+        path, dtype = where
+        try:
+            module, names = ck.meta_model(path, dtype, mid)
+            runner = make_runner(module, mc, ctx)
+            source = ck.CheckpointSource(mid, path, names, runner.module)
+        except ck.Unsupported as exc:
+            log.info("rank %d: %s is read through its model_fn (%s)", self.rank, mid, exc)
+            return None, None
+        return runner, source
+
+    def _make_host_room(self, store) -> None:
+        """Before a model comes from disk: let least recently used models go back to disk (never one
+        resident on the device or loading) until it fits in ``host_budget``."""
+        budget = self.config.host_budget
+        if budget is None or store.host_resident:
+            return
+        # a resident store holds its host copy, or is reading it on its load thread right now
+        used = sum(s.host_bytes() if hasattr(s, "host_bytes") and not s.resident else s.nbytes
+                   for s in self.stores.values())
+        victims = sorted((s for s in self.stores.values() if getattr(s, "evictable", False) and s is not store),
+                         key=lambda s: s.last_used)
+        names = {id(s): m for m, s in self.stores.items()}
+        for v in victims:
+            if used + store.nbytes <= budget:
+                break
+            used -= v.release_host()
+            log.info("rank %d: %s leaves host memory for disk (host LRU)", self.rank, names[id(v)])
+        if self.host_pool is not None:  # what the pool keeps besides the buffers this model will reuse
+            self.host_pool.trim(max(0, budget - used - store.nbytes), keep_for=store._totals)
+        if used + store.nbytes > budget:
+            log.warning("rank %d: %s needs %.1f MB of host memory but only %.1f MB of host_budget is free "
+                        "(the rest is resident or loading): it goes over the budget", self.rank,
+                        names[id(store)], store.nbytes / 2**20, max(0, budget - used) / 2**20)
+
+    def host_resident(self) -> tuple:
+        """Models whose shard this rank holds in host memory."""
+        return tuple(m for m, s in self.stores.items() if getattr(s, "host_resident", True))
 
     def ready_message(self) -> msg.WorkerReady:
         return msg.WorkerReady(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
                                device=str(self.device),
                                host_bytes={m: s.nbytes for m, s in self.stores.items()},
+                               device_memory=_device_memory(self.device),
                                batching={m: r.batching_defaults() for m, r in self.runners.items()
                                          if hasattr(r, "batching_defaults")})
 
@@ -130,6 +205,10 @@ class Worker:
     def _execute(self, cmd) -> None:
         if isinstance(cmd, msg.Load):
             store = self._store(cmd.model_id)
+            self._host_clock += 1
+            store.last_used = self._host_clock
+            if not store.resident and not getattr(store, "host_resident", True):
+                self._make_host_room(store)  # the disk read itself runs on the load thread
 
             def done(start, end, error, seq=cmd.seq, mid=cmd.model_id):
                 if error is not None:
@@ -137,7 +216,10 @@ class Worker:
                                                          error=f"{type(error).__name__}: {error}"))
                 else:
                     self.channel.reply(msg.Loaded(seq=seq, rank=self.rank, model_id=mid, start=start, end=end,
-                                                  nbytes=store.nbytes, device_bytes=self.device_bytes()))
+                                                  nbytes=store.nbytes, device_bytes=self.device_bytes(),
+                                                  tier=getattr(store, "last_tier", "host"),
+                                                  read_s=getattr(store, "last_read_s", 0.0),
+                                                  read_bytes=getattr(store, "last_read_bytes", 0)))
             store.begin_load(done)  # returns at once, except in paper mode where it copies here
         elif isinstance(cmd, msg.Step):
             store = self._store(cmd.model_id)
@@ -153,16 +235,24 @@ class Worker:
             self.channel.reply(msg.StepDone(
                 seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0, end=time.perf_counter(),
                 sids=out["sids"] if is_out else (), tokens=out["tokens"] if is_out else (),
-                ended=out["ended"] if is_out else (), running=out["running"], kv_bytes=runner.kv_bytes()))
+                ended=out["ended"] if is_out else (), running=out["running"], kv_bytes=runner.kv_bytes(),
+                kv_restored_bytes=out["kv_restored_bytes"], kv_restore_s=out["kv_restore_s"]))
         elif isinstance(cmd, msg.Offload):
             store = self._store(cmd.model_id)
             t0 = time.perf_counter()
             runner = self.runners[cmd.model_id]
-            if hasattr(runner, "drop_running"):  # its KV cache cannot outlive the weights
-                runner.drop_running()
+            parked = runner.park_running(cmd.recompute) if hasattr(runner, "park_running") else {}
             store.offload()
             self.channel.reply(msg.Offloaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
-                                             end=time.perf_counter(), device_bytes=self.device_bytes()))
+                                             end=time.perf_counter(), device_bytes=self.device_bytes(),
+                                             **parked))
+        elif isinstance(cmd, msg.Drop):
+            t0 = time.perf_counter()
+            runner = self.runners[cmd.model_id]
+            if hasattr(runner, "drop_sequences"):
+                runner.drop_sequences(cmd.sids)
+            self.channel.reply(msg.StepDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
+                                            end=time.perf_counter(), kv_bytes=runner.kv_bytes()))
         elif isinstance(cmd, msg.RunBatch):
             store = self._store(cmd.model_id)
             t0 = time.perf_counter()
@@ -179,10 +269,23 @@ class Worker:
                 seq=cmd.seq, rank=self.rank, device_bytes=self.device_bytes(),
                 device_reserved_bytes=self.pool.reserved_bytes() if self.pool else (
                     torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0),
-                host_bytes=sum(s.nbytes for s in self.stores.values()),
-                resident=tuple(m for m, s in self.stores.items() if s.resident)))
+                host_bytes=sum(s.host_bytes() if hasattr(s, "host_bytes") else s.nbytes
+                               for s in self.stores.values()),
+                resident=tuple(m for m, s in self.stores.items() if s.resident),
+                kv_bytes=self.kv_bytes(),
+                host_kv_bytes=sum(r.host_kv_bytes() for r in self.runners.values() if hasattr(r, "host_kv_bytes")),
+                host_resident=self.host_resident()))
         else:
             raise TypeError(f"unknown command {type(cmd).__name__}")
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 _FATAL_MARKERS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",

@@ -284,6 +284,9 @@ class CausalLMRunner(StageRunner):
         restored = rb.unpark(dev)
         t_restore = time.perf_counter() - t_restore
         n_run, admit = len(rb), list(cmd.admit)
+        if not n_run and not admit:  # only drops (every rank knows): nothing to run or to agree on
+            return {"sids": (), "tokens": (), "ended": (), "running": 0, "kv_restored_bytes": restored,
+                    "kv_restore_s": t_restore}
         tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
         failed, err, logits = False, None, []
         fresh = RunningBatch()

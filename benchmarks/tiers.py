@@ -1,0 +1,243 @@
+"""Tiers benchmark: shards read straight from checkpoints, and a disk tier below host memory.
+
+Prints exactly one JSON line on stdout; progress goes to stderr.
+
+``--models`` random-weight checkpoints (``zoo.save_random_causal_lm``, safetensors) are written to
+``--dir`` (kept between runs), and served at TP=``--tp`` with ``max_loaded=1``. Measured in one run:
+
+- ``startup_full_s``: ``LaunchEngine`` when every rank builds every full model (a ``model_fn`` the
+  engine cannot read slice-wise: ``from_pretrained`` and cut down, as before this change);
+  ``startup_s``: the same models read slice-wise, every shard kept in host memory; ``startup_budget_s``:
+  slice-wise with ``host_budget`` = ``--host-models`` shards (the rest stay on disk).
+  ``build_full_s`` / ``build_s``: the part of it spent building models (slowest rank, from the workers'
+  "built" log lines; the rest is process start and imports). ``startup_speedup = startup_full_s /
+  startup_s``, ``build_speedup = build_full_s / build_s``. The page cache is dropped before each start.
+- ``read_limit_gbps``: raw sequential read of the same files in the same run: for each file
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` (drops its clean cached pages; no root needed), then buffered
+  64 MB ``readinto``; total bytes / total time.
+- the budgeted engine serves ``--rounds`` round robins over all models (every load beyond the
+  budget's models comes from disk, host LRU), then ``--hot`` alternations of two models (from host
+  memory after their first read); the page cache is dropped before each request. From each rank's
+  ``Loaded`` reply: ``disk_gbps`` (median over disk-tier loads of the bytes all ranks read / the
+  slowest rank's read seconds), ``disk_vs_read_limit = disk_gbps / read_limit_gbps``;
+  ``host_to_device_gbps`` (median over host-tier loads of all ranks' bytes / the slowest rank's load
+  seconds) against ``copy_limit_gbps`` (``--tp`` threads each ``copy_`` one shard into preallocated
+  memory at once, median of 5: the device is host memory on CPU), ``h2d_vs_limit``;
+  ``swap_s_host`` / ``swap_s_disk``: median load seconds (slowest rank) per tier.
+- ``targets``: disk_vs_read_limit >= 0.8, startup_speedup >= 3.
+
+    .venv/bin/python benchmarks/tiers.py                       # 8 x opt-125m (vocab 512) fp16, ~3 min
+    .venv/bin/python benchmarks/tiers.py --model opt-small --dtype float32    # a smoke run
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/http.py is not stdlib http
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from computron import EngineConfig, LaunchEngine, ModelConfig, zoo  # noqa: E402
+from computron import messages as msg  # noqa: E402
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def load_full(path: str, dtype=None):
+    """The full-model path: a model_fn the engine does not recognise, so every rank builds it whole."""
+    return zoo.load_causal_lm(path, dtype)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="opt-125m", help="zoo OPT shape (random weights)")
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--models", type=int, default=8)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--host-models", type=int, default=3, help="host_budget in shards of one model")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--hot", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "computron-tiers"))
+    p.add_argument("--skip-full", action="store_true", help="do not measure the full-model start-up")
+    return p.parse_args(argv)
+
+
+def drop_cache(files) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read_gbps(files) -> float:
+    drop_cache(files)
+    buf = bytearray(64 << 20)
+    mv = memoryview(buf)
+    total, t0 = 0, time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while True:
+                n = fh.readinto(mv)
+                if not n:
+                    break
+                total += n
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def copy_limit_gbps(nbytes: int, tp: int, threads: int) -> float:
+    """``tp`` concurrent copy_ of one shard each into preallocated memory; aggregate GB/s, median of 5."""
+    torch.set_num_threads(threads)
+    src = [torch.ones(nbytes // 4) for _ in range(tp)]
+    dst = [torch.zeros(nbytes // 4) for _ in range(tp)]
+    out = []
+    for _ in range(5):
+        spans = [None] * tp
+
+        def one(i):
+            t0 = time.perf_counter()
+            dst[i].copy_(src[i])
+            spans[i] = (t0, time.perf_counter())
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(tp)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        out.append(tp * (nbytes // 4) * 4 / (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e9)
+    return statistics.median(out)
+
+
+def build_seconds(log_dir: str) -> float:
+    """Slowest rank's total model-building time, from its 'built ... in X s' log lines."""
+    per_rank = []
+    for f in glob.glob(os.path.join(log_dir, "worker_*.log")):
+        with open(f) as fh:
+            per_rank.append(sum(float(m) for m in re.findall(r" built .*? in ([0-9.]+)s", fh.read())))
+    return max(per_rank) if per_rank else float("nan")
+
+
+def launch(configs, tp, log_dir, files, **cfg):
+    drop_cache(files)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    engine = LaunchEngine(EngineConfig(max_loaded=1, log_dir=log_dir, start_timeout_s=1800, **cfg), configs, tp, 1)
+    return engine, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    paths = []
+    for i in range(args.models):
+        p = os.path.join(args.dir, f"{args.model}-v{args.vocab}-{args.dtype}-seed{i}")
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            log(f"writing checkpoint {p} ...")
+        paths.append(zoo.save_random_causal_lm(args.model, p, seed=i, dtype=args.dtype, vocab_size=args.vocab))
+    files = [f for p in paths for f in sorted(glob.glob(os.path.join(p, "*.safetensors")))]
+    ckpt_bytes = sum(os.path.getsize(f) for f in files)
+    log(f"{len(paths)} checkpoints, {ckpt_bytes / 1e9:.2f} GB on disk")
+    read_limit = raw_read_gbps(files)
+    log(f"raw sequential read (buffered, after POSIX_FADV_DONTNEED): {read_limit:.2f} GB/s")
+    work = tempfile.mkdtemp(prefix="tiers-logs-")
+    res = {"model": args.model, "dtype": args.dtype, "models": args.models, "tp": args.tp,
+           "checkpoint_bytes": ckpt_bytes, "read_limit_gbps": read_limit,
+           "read_limit_method": "buffered 64 MB readinto after posix_fadvise(POSIX_FADV_DONTNEED) per file"}
+    sliced = [ModelConfig(f"m{i}", zoo.load_causal_lm, {"path": p}) for i, p in enumerate(paths)]
+
+    if not args.skip_full:
+        log("start-up, full models (model_fn) ...")
+        full = [ModelConfig(f"m{i}", load_full, {"path": p}) for i, p in enumerate(paths)]
+        engine, res["startup_full_s"] = launch(full, args.tp, os.path.join(work, "full"), files)
+        engine.close()
+        res["build_full_s"] = build_seconds(os.path.join(work, "full"))
+        log(f"  {res['startup_full_s']:.1f}s (building {res['build_full_s']:.1f}s)")
+    log("start-up, slices, everything in host memory ...")
+    engine, res["startup_s"] = launch(sliced, args.tp, os.path.join(work, "sliced"), files)
+    shard = max(max(w.host_bytes.values()) for w in engine.workers.values())
+    engine.close()
+    res["build_s"] = build_seconds(os.path.join(work, "sliced"))
+    log(f"  {res['startup_s']:.1f}s (building {res['build_s']:.1f}s)")
+
+    budget = args.host_models * shard
+    res["host_budget"] = budget
+    res["shard_bytes"] = shard
+    log(f"start-up, slices, host_budget={budget / 1e6:.0f} MB ({args.host_models} shards) ...")
+    engine, res["startup_budget_s"] = launch(sliced, args.tp, os.path.join(work, "budget"), files,
+                                             host_budget=budget)
+    res["build_budget_s"] = build_seconds(os.path.join(work, "budget"))
+    loaded = {}  # seq -> {rank: Loaded}
+    real = engine._on_reply_locked
+
+    def spy(reply):
+        if isinstance(reply, msg.Loaded):
+            loaded.setdefault(reply.seq, {})[reply.rank] = reply
+        return real(reply)
+    engine._on_reply_locked = spy
+    order = [f"m{i}" for _ in range(args.rounds) for i in range(args.models)] + ["m0", "m1"] * args.hot
+
+    async def drive():
+        async with engine:
+            for m in order:
+                drop_cache(files)
+                await engine.submit(m, {"input_ids": [2, 10, 20, 30], "max_tokens": args.max_tokens})
+            return {r: s.host_resident for r, s in engine.stats().items()}
+    t0 = time.perf_counter()
+    host_resident = asyncio.run(drive())
+    log(f"served {len(order)} requests in {time.perf_counter() - t0:.1f}s; host-resident at the end: {host_resident}")
+    disk, host = [], []
+    for seq in sorted(loaded):
+        reps = loaded[seq]
+        if len(reps) < args.tp:
+            continue
+        span = max(r.end - r.start for r in reps.values())
+        if any(r.tier == "disk" for r in reps.values()):
+            read_s = max(r.read_s for r in reps.values())
+            disk.append((span, sum(r.read_bytes for r in reps.values()) / read_s / 1e9))
+        else:
+            host.append((span, sum(r.nbytes for r in reps.values()) / span / 1e9))
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    threads = max(1, ((os.cpu_count() or 2) - 1) // args.tp)
+    limit = copy_limit_gbps(shard, args.tp, threads)
+    res.update({
+        "loads_disk": len(disk), "loads_host": len(host),
+        "disk_gbps": med([g for _, g in disk]),
+        "host_to_device_gbps": med([g for _, g in host]),
+        "copy_limit_gbps": limit,
+        "swap_s_disk": med([s for s, _ in disk]),
+        "swap_s_host": med([s for s, _ in host]),
+    })
+    res["disk_vs_read_limit"] = res["disk_gbps"] / read_limit
+    res["h2d_vs_limit"] = res["host_to_device_gbps"] / limit
+    if "startup_full_s" in res:
+        res["startup_speedup"] = res["startup_full_s"] / res["startup_s"]
+        res["build_speedup"] = res["build_full_s"] / res["build_s"]
+    res["targets"] = {"disk_vs_read_limit>=0.8": res["disk_vs_read_limit"] >= 0.8,
+                      "startup_speedup>=3": res.get("startup_speedup", 0) >= 3}
+    res["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__}
+    shutil.rmtree(work, ignore_errors=True)
+    out = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in res.items()}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

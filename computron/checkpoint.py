@@ -1,0 +1,500 @@
+"""Shards straight from a local safetensors checkpoint: each rank reads only its own slices.
+
+The full model is never built. ``meta_model`` builds the transformers model from
+its ``config.json`` with every *parameter* on the meta device (no memory; buffers
+such as rotary ``inv_freq`` or BERT's ``position_ids`` are computed on the CPU as
+usual, since checkpoints do not hold the non-persistent ones); the runner then cuts
+it to this rank's pipeline stage and applies its DTensor TP plan, both of which
+work on meta tensors. ``CheckpointSource`` maps every tensor this rank keeps to
+the checkpoint entry it comes from (tied weights through the object they share)
+and, for a DTensor, to its slice (``compute_local_shape_and_global_offset``, so
+any 1-D plan works), and reads those bytes with ``os.preadv`` straight into the
+store's host buffer: one read per contiguous run (a dim-0 shard is one run), or
+whole rows into a bounded scratch buffer when the runs are short (a dim-1 shard),
+in chunks, never the whole file.
+
+A model is read this way when its ``ModelConfig.checkpoint`` names a directory, or
+its ``model_fn`` is ``zoo.load_causal_lm`` / ``zoo_understanding.load_encoder``
+with a ``path``; the directory must hold ``model.safetensors`` or an
+``model.safetensors.index.json`` with its shards, and the model must be of a
+family the runners know (causal LMs of ``models.causal_lm``, encoders of
+``models.registry``). Anything else goes through ``model_fn`` as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+log = logging.getLogger("computron.checkpoint")
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CHUNK_BYTES = 64 << 20
+"""Largest single read, and the size of the scratch buffer for strided slices."""
+_MIN_RUN_BYTES = 1 << 10
+"""Contiguous runs at least this long are read straight into place (one pread each: no copy, no torch
+threads); shorter ones via whole rows through the scratch buffer."""
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _ST_DTYPES[_name] = getattr(torch, _attr)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that is missing, truncated or does not hold what the model needs."""
+
+
+class Unsupported(Exception):
+    """This model cannot be read slice-wise (no safetensors, unknown family): use model_fn."""
+
+
+# ---- where a model's checkpoint is --------------------------------------------------------------
+
+
+def checkpoint_of(model_config) -> Optional[Tuple[str, Optional[str]]]:
+    """``(directory, dtype name or None)`` when the model's weights come from a local checkpoint, else None."""
+    ck = getattr(model_config, "checkpoint", None)
+    kw = model_config.model_kwargs or {}
+    if ck is not None:
+        return str(ck), None
+    from . import zoo
+    loaders = [zoo.load_causal_lm]
+    try:
+        from . import zoo_understanding
+        loaders.append(zoo_understanding.load_encoder)
+    except ImportError:  # pragma: no cover - optional part
+        pass
+    if any(model_config.model_fn is f for f in loaders) and isinstance(kw.get("path"), (str, os.PathLike)):
+        if set(kw) - {"path", "dtype"}:
+            return None  # arguments we do not know the meaning of: model_fn decides
+        return str(kw["path"]), kw.get("dtype")
+    return None
+
+
+def weight_files(path: str) -> List[str]:
+    """The safetensors files of a checkpoint directory (sorted); Unsupported when it has none."""
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return [single]
+    raise Unsupported(f"{path!r} holds no {WEIGHTS_NAME} or {INDEX_NAME}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    file: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+
+def read_header(file: str, model_id: str = "") -> Tuple[Dict[str, Entry], int]:
+    """The entries of one safetensors file and the byte size its header says the file has."""
+    who = f"model {model_id!r}: " if model_id else ""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{who}checkpoint file {file!r} is truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 << 20:
+                raise CheckpointError(f"{who}checkpoint file {file!r} is not a safetensors file (header of {n} bytes)")
+            head = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{who}checkpoint file {file!r} does not exist") from None
+    if len(head) < n:
+        raise CheckpointError(f"{who}checkpoint file {file!r} is truncated (header cut short)")
+    try:
+        meta = json.loads(head)
+    except ValueError as exc:
+        raise CheckpointError(f"{who}checkpoint file {file!r} has a corrupt header: {exc}") from None
+    base = 8 + n
+    out, size = {}, base
+    for key, v in meta.items():
+        if key == "__metadata__":
+            continue
+        if v["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{who}{file!r}: tensor {key!r} has dtype {v['dtype']} that torch cannot hold")
+        a, b = v["data_offsets"]
+        out[key] = Entry(file, _ST_DTYPES[v["dtype"]], tuple(v["shape"]), base + a, base + b)
+        size = max(size, base + b)
+    return out, size
+
+
+def read_entries(path: str, model_id: str = "") -> Tuple[Dict[str, Entry], Dict[str, int]]:
+    """Every tensor entry of the checkpoint at ``path`` and the size each file must have."""
+    entries, sizes = {}, {}
+    for file in weight_files(path):
+        e, size = read_header(file, model_id)
+        entries.update(e)
+        sizes[file] = size
+    return entries, sizes
+
+
+# ---- the model, without its weights --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Parameters created inside go to the meta device; buffers stay real (accelerate's
+    ``init_empty_weights(include_buffers=False)``), so computed buffers keep their values."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def meta_model(path: str, dtype: Optional[str] = None, model_id: str = ""):
+    """The model of checkpoint ``path`` with its parameters on the meta device, and the map
+    ``(id(module), attr) -> checkpoint names`` that ``CheckpointSource`` needs (keep it until then)."""
+    import transformers
+    from transformers import AutoConfig
+    from .models import causal_lm_family, encoder_family
+    weight_files(path)  # Unsupported without safetensors
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise Unsupported(f"config.architectures={getattr(config, 'architectures', None)!r} names no "
+                          "transformers class")
+    torch_dtype = _DTYPES[dtype] if dtype is not None else _config_dtype(config)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch_dtype)
+        with params_on_meta():
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval()
+    if causal_lm_family(model) is None and encoder_family(model) is None:
+        raise Unsupported(f"{type(model).__name__} is of no family the runners split")
+    return model, ParamNames(model)
+
+
+def _config_dtype(config) -> torch.dtype:
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, torch.dtype):
+        return d
+    return _DTYPES.get(str(d), torch.float32)
+
+
+class ParamNames:
+    """Every name a parameter or buffer of the full model is known by, found again after the runner
+    cut the model and TP replaced parameters: by the module that holds it and the attribute name."""
+
+    def __init__(self, model: nn.Module):
+        by_id: Dict[int, List[str]] = {}
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+                model.named_buffers(remove_duplicate=False)):
+            by_id.setdefault(id(t), []).append(name)
+        self.names: Dict[Tuple[int, str], List[str]] = {}
+        self.persistent: Dict[Tuple[int, str], bool] = {}
+        self._keep = []  # ids stay valid while the objects live
+        for mod in model.modules():
+            self._keep.append(mod)
+            for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is not None:
+                    self.names[(id(mod), attr)] = by_id.get(id(t), [])
+                    self.persistent[(id(mod), attr)] = attr not in mod._non_persistent_buffers_set
+        self.prefix = getattr(model, "base_model_prefix", "")
+
+    def of(self, mod: nn.Module, attr: str) -> Optional[List[str]]:
+        return self.names.get((id(mod), attr))
+
+
+def materialize(module: nn.Module) -> None:
+    """Give every meta tensor empty CPU memory of its (shard) shape, keeping tied parameters tied.
+    ``torch.empty`` does not touch the pages: nothing counts against the resident set until the
+    store replaces them with its own buffer."""
+    ties: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                ties.setdefault(id(p), []).append((mod, attr))
+    module._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t)
+    for holders in ties.values():
+        (m0, a0), rest = holders[0], holders[1:]
+        for m, a in rest:
+            if m._parameters[a] is not m0._parameters[a0]:
+                m._parameters[a] = m0._parameters[a0]
+
+
+# ---- reading slices ------------------------------------------------------------------------------
+
+
+@dataclass
+class Read:
+    """Where one of this rank's tensors comes from."""
+    key: Optional[str]             # checkpoint name; None: a computed buffer, copied from ``value``
+    offsets: Tuple[int, ...] = ()  # of this rank's slice in the full tensor
+    shape: Tuple[int, ...] = ()    # of this rank's slice
+    value: Optional[torch.Tensor] = None
+
+
+def _local_slice(t: torch.Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+    """(global shape, local offsets, local shape) of a parameter; a plain tensor is its whole self."""
+    if not (hasattr(t, "placements") and hasattr(t, "device_mesh")):
+        return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
+    full = tuple(t.shape)
+    mesh = t.device_mesh
+    if mesh.ndim == 1:  # this rank's place from its global rank (a mesh object may be shared by equal meshes)
+        import torch.distributed as dist
+        ranks = mesh.mesh.reshape(-1).tolist()
+        me = ranks.index(dist.get_rank())
+        offset, shape = [0] * len(full), list(full)
+        for p in t.placements:
+            if p.is_shard():
+                d, n, k = p.dim % len(full), full[p.dim % len(full)], len(ranks)
+                chunk = -(-n // k)  # DTensor's Shard: torch.chunk sizes
+                offset[d] = min(me * chunk, n)
+                shape[d] = max(0, min(n, offset[d] + chunk) - offset[d])
+            elif not p.is_replicate():
+                raise Unsupported(f"placement {p} of a parameter")
+    else:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    local = getattr(t, "_local_tensor", None)
+    if local is not None and tuple(local.shape) != tuple(shape):
+        raise Unsupported(f"local shard shape {list(local.shape)} differs from the computed slice {list(shape)}")
+    return full, tuple(offset), tuple(shape)
+
+
+class CheckpointSource:
+    """Reads this rank's shard of a model from its checkpoint into the store's host buffers."""
+
+    def __init__(self, model_id: str, path: str, names: ParamNames, module: nn.Module):
+        """``module``: the runner's module (cut to this stage, TP applied, still on meta)."""
+        self.model_id = model_id
+        self.path = path
+        self.entries, self.sizes = read_entries(path, model_id)
+        self.reads: Dict[int, Read] = {}  # id(local tensor) -> Read, once materialized
+        pending = []
+        for mod in module.modules():
+            for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is None:
+                    continue
+                known = names.of(mod, attr)
+                if known is None:
+                    raise Unsupported(f"{type(mod).__name__}.{attr} was not part of the model the config builds")
+                key = self._key(known)
+                if key is None:
+                    if t.is_meta or attr in mod._parameters:
+                        raise Unsupported(f"checkpoint {path!r} holds no tensor named {known or [attr]}")
+                    pending.append((mod, attr, Read(None, value=t.detach().clone())))
+                    continue
+                full, off, shape = _local_slice(t)
+                e = self.entries[key]
+                if tuple(e.shape) != full:
+                    raise Unsupported(f"checkpoint tensor {key!r} has shape {list(e.shape)}, the model "
+                                      f"expects {list(full)}")
+                pending.append((mod, attr, Read(key, off, shape)))
+        materialize(module)
+        for mod, attr, r in pending:
+            t = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+            inner = getattr(t, "_local_tensor", None)
+            self.reads[id(inner if inner is not None else t)] = r
+        del names
+        self.last_read_s = 0.0
+        self.last_read_bytes = 0
+
+    def _key(self, names: Sequence[str]) -> Optional[str]:
+        for n in names:
+            if n in self.entries:
+                return n
+        return None
+
+    def check(self, slots) -> None:
+        missing = [s.name for s in slots if id(s.tensor) not in self.reads]
+        if missing:
+            raise Unsupported(f"no checkpoint entry found for {missing[:5]}")
+
+    def plan(self, slots) -> List[Tuple["object", Read]]:
+        return [(s, self.reads[id(s.tensor)]) for s in slots]
+
+    # ---- the reading itself ------------------------------------------------
+    def open(self) -> "_Reader":
+        """Re-read the headers (a file may have been rewritten since start-up) and check every file
+        is long enough: a missing or truncated file fails here, naming the model and the file."""
+        entries = {}
+        for file in self.sizes:  # the files found at start-up
+            try:
+                have = os.path.getsize(file)
+            except FileNotFoundError:
+                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} does not exist") from None
+            found, need = read_header(file, self.model_id)
+            entries.update(found)
+            if have < need:
+                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} is truncated "
+                                      f"({have} bytes, its header needs {need})")
+        return _Reader(self.model_id, entries)
+
+
+class _Reader:
+    def __init__(self, model_id: str, entries: Dict[str, Entry]):
+        self.model_id = model_id
+        self.entries = entries
+        self.fds: Dict[str, int] = {}
+        self.scratch: Optional[torch.Tensor] = None
+        self.bytes = 0
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _fd(self, file: str) -> int:
+        fd = self.fds.get(file)
+        if fd is None:
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} does not exist") from None
+            self.fds[file] = fd
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead window
+        return fd
+
+    def will_need(self, spans) -> None:
+        """Ask the kernel to start reading ``(file, begin, end)`` spans in the background (read-ahead of
+        the next segment while this one is read and copied)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for file, a, b in spans:
+            try:
+                os.posix_fadvise(self._fd(file), a, b - a, os.POSIX_FADV_WILLNEED)
+            except OSError:  # advice only
+                pass
+
+    def _pread(self, file: str, dest: torch.Tensor, offset: int) -> None:
+        """Fill the contiguous tensor ``dest`` with the file's bytes from ``offset``."""
+        mv = memoryview(dest.view(-1).view(torch.uint8).numpy())
+        fd, done, n = self._fd(file), 0, len(mv)
+        while done < n:
+            got = os.preadv(fd, [mv[done:done + CHUNK_BYTES]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} is truncated "
+                                      f"(no bytes at offset {offset + done})")
+            done += got
+        self.bytes += n
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        if self.scratch is None or self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        return self.scratch[:nbytes]
+
+    def read(self, r: Read, dest: torch.Tensor, name: str) -> None:
+        """Fill ``dest`` (a flat view of a host buffer) with this rank's slice of entry ``r.key``."""
+        if r.key is None:
+            dest.copy_(r.value.reshape(-1))
+            return
+        e = self.entries.get(r.key)
+        if e is None:
+            raise CheckpointError(f"model {self.model_id!r}: the checkpoint no longer holds {r.key!r}")
+        full = e.shape
+        item = e.dtype.itemsize
+        # the one dimension d this rank's slice is partial in (a 1-D mesh shards one dimension)
+        partial = [d for d in range(len(full)) if r.shape[d] != full[d]]
+        if len(partial) > 1:
+            raise CheckpointError(f"model {self.model_id!r}: {name} is split along several dimensions")
+        d = partial[0] if partial else 0
+        outer = int(torch.Size(full[:d]).numel()) if full else 1
+        along, inner = (full[d] if full else 1), int(torch.Size(full[d + 1:]).numel()) if full else 1
+        start, length = (r.offsets[d], r.shape[d]) if full else (0, 1)
+        run = length * inner  # elements in one contiguous run
+        convert = e.dtype != dest.dtype
+        if outer == 1 or length == along:  # one contiguous range
+            begin = e.begin + start * inner * item
+            if not convert:
+                self._pread(e.file, dest, begin)
+            else:
+                step = max(1, CHUNK_BYTES // item)
+                for a in range(0, dest.numel(), step):
+                    n = min(step, dest.numel() - a)
+                    buf = self._scratch(n * item).view(e.dtype)
+                    self._pread(e.file, buf, begin + a * item)
+                    dest[a:a + n].copy_(buf)
+            return
+        out = dest.view(outer, run)
+        if run * item >= _MIN_RUN_BYTES and not convert:  # long runs: straight into place
+            for o in range(outer):
+                self._pread(e.file, out[o], e.begin + (o * along + start) * inner * item)
+            return
+        rows = max(1, CHUNK_BYTES // (along * inner * item))  # whole rows through the scratch buffer
+        for o in range(0, outer, rows):
+            k = min(rows, outer - o)
+            buf = self._scratch(k * along * inner * item).view(e.dtype).view(k, along * inner)
+            self._pread(e.file, buf, e.begin + o * along * inner * item)
+            self.bytes -= buf.numel() * item - k * run * item  # count the slice, not the rows around it
+            out[o:o + k].copy_(buf[:, start * inner:(start + length) * inner])
+
+
+def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch.Tensor],
+                  n_segments: int = 0, on_segment=None) -> Tuple[float, int]:
+    """Read every slot into ``host`` segment by segment (slots are sorted by segment), calling
+    ``on_segment(i)`` as each segment is complete. Returns (seconds, bytes read)."""
+    t0 = time.perf_counter()
+    plan = source.plan(slots)
+    with source.open() as reader:
+        spans: Dict[int, Dict[str, List[int]]] = {}  # segment -> file -> [begin, end] of what it reads
+        for s, r in plan:
+            e = reader.entries.get(r.key) if r.key is not None else None
+            if e is not None:
+                span = spans.setdefault(s.segment, {}).setdefault(e.file, [e.begin, e.end])
+                span[0], span[1] = min(span[0], e.begin), max(span[1], e.end)
+
+        def ahead(i):
+            reader.will_need([(f, a, b) for f, (a, b) in spans.get(i, {}).items()])
+        seg = -1
+        for s, r in plan:
+            while seg < s.segment:
+                if seg >= 0 and on_segment is not None:
+                    on_segment(seg)
+                seg += 1
+                ahead(seg + 1)
+            reader.read(r, host[s.dtype][s.offset:s.offset + s.numel], s.name)
+        seg = max(seg, 0)
+        while seg < n_segments:
+            if on_segment is not None:
+                on_segment(seg)
+            seg += 1
+        nbytes = reader.bytes
+    dt = time.perf_counter() - t0
+    source.last_read_s, source.last_read_bytes = dt, nbytes
+    return dt, nbytes
+
+
+__all__ = ["CheckpointError", "CheckpointSource", "Unsupported", "checkpoint_of", "meta_model", "read_header",
+           "read_entries", "weight_files", "params_on_meta", "materialize", "read_segments"]

@@ -1,0 +1,568 @@
+"""The OpenAI-compatible HTTP front (FastAPI): text in, text out, many models behind one engine.
+
+Routes only call the engine's public API (``submit``, ``stream``, ``snapshot``,
+``counters``, ``events``, ``is_alive``, ``shutdown``). The ``model`` field of a
+request picks the model; the engine queues it and swaps models in as needed.
+
+    POST /v1/completions        POST /v1/chat/completions      (stream: true -> server-sent events)
+    GET  /v1/models             GET  /health                   GET /metrics (Prometheus)
+    GET  /                      the status page;  GET /api/status, GET /api/events?since=N feed it
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, Response, StreamingResponse
+
+from ..errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
+                      WorkerError)
+from .config import ServerSettings
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .text import ChatTemplateError, ModelText, TextStream
+
+log = logging.getLogger("computron.server")
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+# Fields accepted with their effect, and fields accepted only at their OpenAI default (no effect).
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+           "user", "n"}
+_COMPLETION_FIELDS = _COMMON | {"prompt"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+_DEFAULT_ONLY = {
+    "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "logit_bias": (None, {}), "best_of": (1,), "suffix": (None,), "tools": (None, []),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+    "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None, {}),
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return Response(_dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The HTTP answer for an engine or text error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, UnknownModelError):
+        return APIError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, ChatTemplateError):
+        return APIError(400, str(exc), "invalid_request_error", "messages", "chat_template_missing")
+    if isinstance(exc, PayloadError):
+        return APIError(400, str(exc), "invalid_request_error", None, "invalid_payload")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), "timeout_error", None, "request_timeout")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+    if isinstance(exc, WorkerError):
+        return APIError(500, str(exc), "server_error", None, "worker_error")
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+
+
+# ---- request parsing -----------------------------------------------------------
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, "invalid_value")
+
+
+def _number(body, name, lo, hi, lo_open=False):
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v > hi or v < lo or (lo_open and v == lo):
+        raise _bad(name, f"{name}={v!r}: must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def _int(body, name, lo):
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _bad(name, f"{name}={v!r}: must be an integer >= {lo}")
+    return v
+
+
+class Params:
+    """What a completion or chat request asks for, checked."""
+    __slots__ = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                 "include_usage")
+
+
+def parse_common(body: Any, allowed: set) -> Params:
+    if not isinstance(body, dict):
+        raise _bad(None, "the request body must be a JSON object")
+    for k, v in body.items():
+        if k in allowed:
+            continue
+        if k in _DEFAULT_ONLY:
+            if v in _DEFAULT_ONLY[k]:
+                continue
+            raise _bad(k, f"{k}={v!r} is not supported by this server")
+        raise _bad(k, f"unsupported field {k!r}")
+    p = Params()
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "model: a model id (string) is required")
+    p.model = model
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _bad("n", f"n={n!r}: only n=1 is supported")
+    p.max_tokens = _int(body, "max_tokens", 1)
+    if p.max_tokens is None and "max_completion_tokens" in allowed:
+        p.max_tokens = _int(body, "max_completion_tokens", 1)
+    t = _number(body, "temperature", 0, 2)
+    p.temperature = 1.0 if t is None else t  # OpenAI's default: sampling at temperature 1
+    p.top_p = _number(body, "top_p", 0, 1, lo_open=True)
+    p.top_k = _int(body, "top_k", 0)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad("seed", f"seed={seed!r}: must be an integer")
+    p.seed = seed
+    stop = body.get("stop")
+    if stop is None:
+        p.stop = []
+    elif isinstance(stop, str):
+        p.stop = [stop] if stop else []
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
+        p.stop = [s for s in stop if s]
+    else:
+        raise _bad("stop", "stop: must be a string or a list of at most 4 strings")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("stream", f"stream={stream!r}: must be true or false")
+    p.stream = stream
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise _bad("stream_options", "stream_options: must be an object")
+    p.include_usage = bool((so or {}).get("include_usage", False))
+    return p
+
+
+def _prompt_ids(text: ModelText, prompt: Any) -> List[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return text.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise _bad("prompt", "prompt: one prompt per request (a batch of prompts is not supported)")
+    raise _bad("prompt", "prompt: must be a non-empty string or a list of token ids")
+
+
+def _messages(messages: Any) -> List[Dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "messages: must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", f"messages[{i}]: must be an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content: must be a string")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+# ---- the app -------------------------------------------------------------------
+
+class ServerState:
+    def __init__(self, engine, texts: Dict[str, ModelText], settings: ServerSettings,
+                 queue_sizes: Optional[Dict[str, int]] = None, max_positions: Optional[Dict[str, int]] = None):
+        self.engine = engine
+        self.texts = texts
+        self.settings = settings
+        self.queue_sizes = {m: q for m, q in (queue_sizes or {}).items() if q}
+        self.max_positions = max_positions or {}
+        self.metrics = ServerMetrics(engine)
+        self.draining = False
+        self.started = time.time()
+        self._keys = [k.encode() for k in settings.api_keys]
+
+    # -- checks --
+    def check_auth(self, request: Request) -> None:
+        if not self._keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                           None, "invalid_api_key")
+        tok = token.strip().encode()
+        if not any(hmac.compare_digest(tok, k) for k in self._keys):
+            raise APIError(401, "incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
+        if not self.engine.is_alive:
+            raise EngineDeadError(self.engine.snapshot().get("dead_reason") or "engine is dead")
+
+    def model_text(self, model: str) -> ModelText:
+        text = self.texts.get(model)
+        if text is None:
+            raise UnknownModelError(model, self.texts)
+        return text
+
+    def check_queue(self, model: str) -> None:
+        limit = self.queue_sizes.get(model)
+        if limit:
+            waiting = self.engine.snapshot()["models"][model]["waiting"]
+            if waiting >= limit:
+                raise QueueFullError(f"model {model!r} already has {waiting} waiting requests (queue_size={limit})")
+
+    def engine_data(self, p: Params, prompt_ids: List[int], default_max: int) -> Dict[str, Any]:
+        max_tokens = p.max_tokens
+        if max_tokens is None:
+            room = self.max_positions.get(p.model)
+            max_tokens = default_max if room is None else max(1, min(default_max, room - len(prompt_ids)))
+        data = {"input_ids": prompt_ids, "max_tokens": max_tokens, "temperature": p.temperature}
+        if p.top_p is not None:
+            data["top_p"] = p.top_p
+        if p.top_k is not None:
+            data["top_k"] = p.top_k
+        if p.seed is not None:
+            data["seed"] = p.seed
+        return data
+
+
+def _state_name(s: Dict[str, Any]) -> str:
+    """The status page's name of a model's state: disk, host, loading, resident or offloading."""
+    state = s.get("state")
+    if state == "loaded":
+        return "resident"
+    if state in ("loading", "offloading"):
+        return state
+    return "disk" if s.get("tier") == "disk" else "host"
+
+
+def _openai_state(s: Dict[str, Any]) -> str:
+    return {"loaded": "resident", "loading": "loading"}.get(s.get("state"), "offloaded")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, aw):
+    """Await ``aw`` in this task unless the client goes first: then cancel it (which cancels the engine's
+    sequence) and raise ClientGone. The work stays in the caller's task: the engine's iterators may hold
+    task-bound state (timeouts)."""
+    me = asyncio.current_task()
+    flags = {"done": False, "gone": False}
+
+    def on_gone(f: asyncio.Future) -> None:
+        if not flags["done"] and not f.cancelled() and f.exception() is None:
+            flags["gone"] = True
+            me.cancel()
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(on_gone)
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        if flags["gone"]:
+            if hasattr(me, "uncancel"):  # Python >= 3.11 counts cancellations
+                me.uncancel()
+            raise ClientGone() from None
+        raise
+    finally:
+        flags["done"] = True
+        watcher.cancel()
+
+
+def _sse(obj: Dict[str, Any]) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSettings] = None,
+               queue_sizes: Optional[Dict[str, int]] = None, max_positions: Optional[Dict[str, int]] = None,
+               owns_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving ``engine``'s models; ``texts`` maps each model id to its tokenizer.
+
+    With ``owns_engine`` the app shuts the engine down when it stops (after uvicorn's graceful drain).
+    """
+    settings = settings or ServerSettings()
+    state = ServerState(engine, texts, settings, queue_sizes, max_positions)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.draining = True
+        if owns_engine:
+            log.info("stopping the engine and its workers")
+            await engine.shutdown()
+            log.info("engine stopped")
+
+    app = FastAPI(title="computron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.computron = state
+    timeout = settings.request_timeout_s
+
+    async def read_body(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise _bad(None, f"the request body is not valid JSON: {exc}") from None
+
+    def finish_reason(ts: TextStream, last: Optional[int], n: int, max_tokens: int, text: ModelText) -> str:
+        """'stop' for a stop string or an EOS (the engine ends a sequence short of max_tokens only at one of
+        the model's EOS ids), else 'length'."""
+        if ts.stopped or n < max_tokens or (last is not None and last == text.eos_token_id):
+            return "stop"
+        return "length"
+
+    async def generate(request: Request, p: Params, text: ModelText, data: Dict[str, Any],
+                       t0: float) -> Tuple[TextStream, Optional[int], float]:
+        """The whole answer of a non-streamed request: (text stream, last token id, TTFT or -1)."""
+        ts = TextStream(text, data["input_ids"], p.stop)
+        if not p.stop:
+            ids = (await _unless_disconnected(request, engine.submit(p.model, data, timeout=timeout))).tolist()
+            for t in ids:
+                ts.push(t)
+            ts.finish()
+            return ts, (ids[-1] if ids else None), -1.0
+
+        async def run():
+            last, ttft = None, -1.0
+            it = engine.stream(p.model, data, timeout=timeout)
+            try:
+                async for tok in it:
+                    if last is None:
+                        ttft = time.perf_counter() - t0
+                    last = tok
+                    ts.push(tok)
+                    if ts.stopped:
+                        break
+            finally:
+                await it.aclose()
+            ts.finish()
+            return ts, last, ttft
+        return await _unless_disconnected(request, run())
+
+    async def handle(request: Request, endpoint: str, chat: bool):
+        t0 = time.perf_counter()
+        model = "_unknown"
+        try:
+            state.check_auth(request)
+            body = await read_body(request)
+            if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] in texts:
+                model = body["model"]  # the label of this request's metrics, whatever else is wrong with it
+            p = parse_common(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
+            text = state.model_text(p.model)
+            if chat:
+                prompt_ids = text.chat_ids(_messages(body.get("messages")))
+            else:
+                if "prompt" not in body:
+                    raise _bad("prompt", "prompt: required")
+                prompt_ids = _prompt_ids(text, body["prompt"])
+            state.check_serving()
+            state.check_queue(model)
+            data = state.engine_data(p, prompt_ids, settings.default_max_tokens if chat else 16)
+            if p.stream:
+                return await start_stream(request, endpoint, chat, p, text, data, t0)
+            ts, last, ttft = await generate(request, p, text, data, t0)
+        except ClientGone:
+            state.metrics.request_done(model, endpoint, 499)
+            log.debug("%s %s: client disconnected after %.1f ms", endpoint, model, (time.perf_counter() - t0) * 1e3)
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
+            err = api_error(exc)
+            state.metrics.request_done(model, endpoint, err.status)
+            log.debug("%s %s: %d %s (%.1f ms)", endpoint, model, err.status, err.message,
+                      (time.perf_counter() - t0) * 1e3)
+            return err.response()
+        e2e = time.perf_counter() - t0
+        n_prompt, n_out = len(prompt_ids), ts.n_tokens
+        reason = finish_reason(ts, last, n_out, data["max_tokens"], text)
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if chat:
+            out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": ts.text},
+                                "logprobs": None, "finish_reason": reason}], "usage": usage}
+        else:
+            out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                   "choices": [{"index": 0, "text": ts.text, "logprobs": None, "finish_reason": reason}],
+                   "usage": usage}
+        m = state.metrics
+        m.request_done(model, endpoint, 200)
+        m.tokens(model, n_prompt, n_out)
+        if ttft >= 0:
+            m.latency(model, ttft, e2e, n_out)
+        else:
+            m.e2e.labels(model).observe(e2e)
+        log.debug("%s %s: 200, %d+%d tokens, %.1f ms", endpoint, model, n_prompt, n_out, e2e * 1e3)
+        return Response(_dumps(out), media_type="application/json")
+
+    async def start_stream(request: Request, endpoint: str, chat: bool, p: Params, text: ModelText,
+                           data: Dict[str, Any], t0: float):
+        """Wait for the first token (so errors before it get their status code), then stream the rest."""
+        it = engine.stream(p.model, data, timeout=timeout)
+        try:
+            first = await _unless_disconnected(request, it.__anext__())
+        except BaseException:
+            await it.aclose()
+            raise
+        ttft = time.perf_counter() - t0
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        model = p.model
+        if chat:
+            def chunk(piece: Optional[str], reason: Optional[str] = None, role: bool = False):
+                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+            obj_name = "chat.completion.chunk"
+        else:
+            def chunk(piece: Optional[str], reason: Optional[str] = None, role: bool = False):
+                return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}]}
+            obj_name = "text_completion"
+
+        async def events() -> AsyncIterator[bytes]:
+            ts = TextStream(text, data["input_ids"], p.stop)
+            status, last = 499, first
+            try:
+                if chat:
+                    yield _sse(chunk(None, role=True))
+                piece = ts.push(first)
+                if piece:
+                    yield _sse(chunk(piece))
+                if not ts.stopped:
+                    async for tok in it:
+                        last = tok
+                        piece = ts.push(tok)
+                        if piece:
+                            yield _sse(chunk(piece))
+                        if ts.stopped:
+                            break
+                piece = ts.finish()
+                if piece:
+                    yield _sse(chunk(piece))
+                yield _sse(chunk(None, finish_reason(ts, last, ts.n_tokens, data["max_tokens"], text)))
+                n_prompt = len(data["input_ids"])
+                if p.include_usage:
+                    yield _sse({"id": rid, "object": obj_name, "created": created, "model": model, "choices": [],
+                                "usage": {"prompt_tokens": n_prompt, "completion_tokens": ts.n_tokens,
+                                          "total_tokens": n_prompt + ts.n_tokens}})
+                yield b"data: [DONE]\n\n"
+                status = 200
+                e2e = time.perf_counter() - t0
+                state.metrics.tokens(model, n_prompt, ts.n_tokens)
+                state.metrics.latency(model, ttft, e2e, ts.n_tokens)
+            except (asyncio.CancelledError, GeneratorExit):
+                raise  # the client went away (or the server is stopping): aclose() below cancels the sequence
+            except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: end with an error event
+                err = api_error(exc)
+                status = err.status
+                yield _sse(err.body())
+                yield b"data: [DONE]\n\n"
+            finally:
+                with anyio.CancelScope(shield=True):  # starlette cancels its task group on disconnect
+                    await it.aclose()
+                state.metrics.request_done(model, endpoint, status)
+                log.debug("%s %s (stream): %d, %d tokens, %.1f ms", endpoint, model, status, ts.n_tokens,
+                          (time.perf_counter() - t0) * 1e3)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "chat", chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            state.check_auth(request)
+        except APIError as err:
+            return err.response()
+        snap = engine.snapshot()["models"]
+        data = [{"id": m, "object": "model", "created": int(state.started), "owned_by": "computron",
+                 "state": _openai_state(snap.get(m, {})), "root": texts[m].path} for m in texts]
+        return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return Response(_dumps({"status": "shutting_down"}), status_code=503, media_type="application/json")
+        if not engine.is_alive:
+            reason = engine.snapshot().get("dead_reason")
+            return Response(_dumps({"status": "dead", "reason": reason}), status_code=503,
+                            media_type="application/json")
+        return Response(_dumps({"status": "ok"}), media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/")
+    async def index():
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), media_type="text/html")
+
+    @app.get("/api/status")
+    async def status():
+        snap = engine.snapshot()
+        models = []
+        for m in texts:
+            s = snap["models"].get(m, {})
+            models.append({"id": m, "state": _state_name(s), "engine_state": s.get("state"), "tier": s.get("tier"),
+                           "waiting": s.get("waiting", 0), "running": s.get("running", 0),
+                           "last_load": s.get("last_load"), "last_offload": s.get("last_offload")})
+        return Response(_dumps({"alive": snap.get("alive", engine.is_alive), "dead_reason": snap.get("dead_reason"),
+                                "draining": state.draining, "time": time.time(), "models": models}),
+                        media_type="application/json")
+
+    @app.get("/api/events")
+    async def events(since: int = 0):
+        cursor, evs = engine.events(since)
+        return Response(_dumps({"next": cursor, "events": evs}), media_type="application/json")
+
+    return app

@@ -1,0 +1,229 @@
+"""`computron serve` configuration: a YAML file or command-line flags, validated before any worker starts.
+
+A config file::
+
+    models:
+      - id: opt-a                # the `model` field of requests
+        path: ckpt/opt-a         # a local checkpoint directory with its tokenizer
+        dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
+        max_batch_size: 8        # optional: sequences batched together for this model
+        queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)
+    engine:                      # any EngineConfig field, plus tp and pp
+      tp: 2
+      pp: 1
+      max_loaded: 1
+    server:
+      host: 127.0.0.1
+      port: 8000
+      api_keys: [sk-local-1]     # optional; then every /v1 request needs `Authorization: Bearer <key>`
+      request_timeout_s: 600     # a request over this answers 504
+      shutdown_grace_s: 30       # SIGTERM/SIGINT: how long in-flight requests may take to finish
+
+Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..config import EngineConfig
+
+DTYPES = ("float32", "float16", "bfloat16")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+
+
+class ConfigError(ValueError):
+    """A bad config file or flag; the message names the field or the path."""
+
+
+@dataclass
+class ModelEntry:
+    id: str
+    """Name requests use in their `model` field."""
+    path: str
+    """Local checkpoint directory (config.json, weights, tokenizer files)."""
+    dtype: Optional[str] = None
+    """float32, float16 or bfloat16; None keeps the checkpoint's dtype."""
+    max_batch_size: Optional[int] = None
+    """Sequences of this model batched together; None takes engine.max_batch_size."""
+    queue_size: Optional[int] = None
+    """Waiting requests of this model before the server answers 429; None takes engine.queue_size."""
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on (0 picks a free one and logs it)."""
+    api_keys: List[str] = field(default_factory=list)
+    """Accepted bearer tokens for /v1; empty means no authentication."""
+    request_timeout_s: float = 600.0
+    """A request still unanswered after this long fails with 504."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled."""
+    default_max_tokens: int = 256
+    """max_tokens of a chat completion that names none (capped by the model's positions)."""
+    log_level: str = "info"
+    """Server log level: debug logs every request's model, status and latency."""
+
+
+@dataclass
+class ServeConfig:
+    models: List[ModelEntry]
+    engine: EngineConfig
+    tp: int = 1
+    pp: int = 1
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+
+def _engine_fields() -> Dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def _check_type(name: str, value: Any, kind, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{name}={value!r}: must be an integer")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{name}={value!r}: must be a number")
+    if kind is str and not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r}: must be a string")
+
+
+def check_checkpoint(name: str, path: Any) -> str:
+    """A checkpoint directory with a config.json and tokenizer files, or a ConfigError naming it."""
+    from .text import tokenizer_files_present
+    _check_type(name, path, str)
+    if not os.path.isdir(path):
+        raise ConfigError(f"{name}: checkpoint directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{name}: {path!r} has no config.json (not a transformers checkpoint)")
+    if not tokenizer_files_present(path):
+        raise ConfigError(f"{name}: {path!r} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
+    return path
+
+
+def parse_models(raw: Any) -> List[ModelEntry]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("models: must be a non-empty list of {id, path, ...}")
+    known = {f.name for f in dataclasses.fields(ModelEntry)}
+    out, seen = [], set()
+    for i, m in enumerate(raw):
+        where = f"models[{i}]"
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where}: must be a mapping with id and path, got {m!r}")
+        unknown = sorted(set(m) - known)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
+        for req in ("id", "path"):
+            if req not in m:
+                raise ConfigError(f"{where}.{req}: missing")
+        entry = ModelEntry(**m)
+        _check_type(f"{where}.id", entry.id, str)
+        if not _ID.match(entry.id):
+            raise ConfigError(f"{where}.id={entry.id!r}: must be letters, digits and ._:/- ")
+        if entry.id in seen:
+            raise ConfigError(f"{where}.id={entry.id!r}: duplicate model id")
+        seen.add(entry.id)
+        entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
+        if entry.dtype is not None and entry.dtype not in DTYPES:
+            raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
+        for k in ("max_batch_size", "queue_size"):
+            v = getattr(entry, k)
+            _check_type(f"{where}.{k}", v, int, allow_none=True)
+            if v is not None and v < (1 if k == "max_batch_size" else 0):
+                raise ConfigError(f"{where}.{k}={v!r}: must be >= {1 if k == 'max_batch_size' else 0}")
+        out.append(entry)
+    return out
+
+
+def parse_engine(raw: Any) -> tuple:
+    """EngineConfig from a mapping whose keys are EngineConfig's fields (plus tp and pp)."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError("engine: must be a mapping")
+    raw = dict(raw or {})
+    tp, pp = raw.pop("tp", 1), raw.pop("pp", 1)
+    for name, v in (("engine.tp", tp), ("engine.pp", pp)):
+        _check_type(name, v, int)
+        if v < 1:
+            raise ConfigError(f"{name}={v!r}: must be >= 1")
+    fields = _engine_fields()
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"engine.{unknown[0]}: unknown field (known: tp, pp, {', '.join(sorted(fields))})")
+    try:
+        engine = EngineConfig(**raw)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        raise ConfigError(f"engine.{msg[len('EngineConfig.'):]}" if msg.startswith("EngineConfig.") else
+                          f"engine: {msg}") from None
+    return engine, tp, pp
+
+
+def parse_server(raw: Any) -> ServerSettings:
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError("server: must be a mapping")
+    known = {f.name for f in dataclasses.fields(ServerSettings)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"server.{unknown[0]}: unknown field (known: {sorted(known)})")
+    s = ServerSettings(**raw)
+    _check_type("server.host", s.host, str)
+    _check_type("server.port", s.port, int)
+    if not 0 <= s.port <= 65535:
+        raise ConfigError(f"server.port={s.port}: must be in 0..65535")
+    if isinstance(s.api_keys, str):
+        s.api_keys = [s.api_keys]
+    if not isinstance(s.api_keys, list) or not all(isinstance(k, str) and k for k in s.api_keys):
+        raise ConfigError("server.api_keys: must be a list of non-empty strings")
+    for k in ("request_timeout_s", "shutdown_grace_s"):
+        v = getattr(s, k)
+        _check_type(f"server.{k}", v, float)
+        if v <= 0:
+            raise ConfigError(f"server.{k}={v!r}: must be > 0 seconds")
+    _check_type("server.default_max_tokens", s.default_max_tokens, int)
+    if s.default_max_tokens < 1:
+        raise ConfigError(f"server.default_max_tokens={s.default_max_tokens}: must be >= 1")
+    if s.log_level not in ("critical", "error", "warning", "info", "debug"):
+        raise ConfigError(f"server.log_level={s.log_level!r}: must be one of critical, error, warning, info, debug")
+    return s
+
+
+def from_mapping(raw: Any) -> ServeConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("the config must be a mapping with models, engine and server")
+    unknown = sorted(set(raw) - {"models", "engine", "server"})
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown section (known: models, engine, server)")
+    engine, tp, pp = parse_engine(raw.get("engine"))
+    return ServeConfig(models=parse_models(raw.get("models")), engine=engine, tp=tp, pp=pp,
+                       server=parse_server(raw.get("server")))
+
+
+def load_file(path: str) -> Dict[str, Any]:
+    import yaml
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: {path!r} does not exist")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return raw if raw is not None else {}
+
+
+def model_entries_from_paths(paths: List[str]) -> List[Dict[str, Any]]:
+    """``ckpt/a`` serves as model ``a``; ``name=ckpt/a`` names it."""
+    out = []
+    for p in paths:
+        mid, sep, path = p.partition("=")
+        if not sep:
+            mid, path = os.path.basename(os.path.normpath(p)), p
+        out.append({"id": mid, "path": path})
+    return out

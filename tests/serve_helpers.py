@@ -1,0 +1,90 @@
+"""Starting `computron serve` as a subprocess for tests: checkpoints with tokenizers, a free port,
+readiness by retrying /health within a deadline, and a stop that leaves no process behind."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import yaml
+
+from computron import tokenizer_zoo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_checkpoints(root, n=3, no_chat=False):
+    """``n`` tiny OPT checkpoints (seeds 0..n-1) with one locally trained tokenizer; ``nochat`` without
+    a chat template when asked. Returns {model_id: path}."""
+    tok = tokenizer_zoo.train_bpe(vocab_size=512)
+    paths = {f"m{i}": tokenizer_zoo.save_checkpoint_with_tokenizer("opt-tiny", os.path.join(root, f"m{i}"),
+                                                                    seed=i, tokenizer=tok) for i in range(n)}
+    if no_chat:
+        paths["nochat"] = tokenizer_zoo.save_checkpoint_with_tokenizer(
+            "opt-tiny", os.path.join(root, "nochat"), seed=9, tokenizer=tok, chat_template=None)
+    return paths
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp, models, engine=None, server=None, startup_timeout=180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = {"models": [{"id": m, "path": p} if isinstance(p, str) else {"id": m, **p} for m, p in models.items()],
+               "engine": {"tp": 1, "max_loaded": 1, **(engine or {})},
+               "server": {"port": self.port, "log_level": "debug", **(server or {})}}
+        self.config_path = os.path.join(tmp, f"serve-{self.port}.yaml")
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        self.log_path = os.path.join(tmp, f"serve-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([sys.executable, "-m", "computron", "serve", "--config", self.config_path],
+                                     cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.ps = psutil.Process(self.proc.pid)
+        self._wait_ready(startup_timeout)
+        self.workers = self.ps.children(recursive=True)  # workers and multiprocessing's resource tracker
+        self.engine_workers = [p for p in self.workers
+                               if "resource_tracker" not in " ".join(p.cmdline()) and p.ppid() == self.proc.pid]
+
+    def _wait_ready(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)  # readiness retry within a bounded deadline
+        self.stop()
+        raise TimeoutError(f"server not ready within {timeout}s:\n{self.log()}")
+
+    def log(self):
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout=60):
+        """SIGTERM, then wait; kill whatever is left (the test fails on leftovers elsewhere)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        _, alive = psutil.wait_procs(self.workers, timeout=15)
+        for p in alive:
+            p.kill()
+        self._log.close()
+        return self.proc.returncode, alive
