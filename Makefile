@@ -12,7 +12,7 @@ DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-t
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 
-.PHONY: setup demo test bench bench-gen bench-http clean
+.PHONY: setup browser demo test bench bench-gen bench-http clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,17 @@ $(STAMP): setup.py Makefile
 demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` on them, asks through `openai`
 	$(PY) examples/serve/demo.py --tp 2 --max-loaded 1
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q --timeout 900 tests
+
+# Debian's headless Chromium + driver for the status page's browser test (skipped, saying why, without them)
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	        DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	    else echo "chromium/chromedriver missing and not root: the browser test will be skipped"; fi; \
+	fi
 
 ARGS ?=
 bench: setup  # make bench ARGS="--tp 2" (any benchmarks/swap.py option)
@@ -38,7 +47,7 @@ bench-gen: setup  # token-level vs request-level generation on one Gamma trace (
 	$(PY) benchmarks/generation.py $(ARGS)
 
 bench-http: setup  # the HTTP front's added latency per request and per streamed token (one JSON line)
-	$(PY) benchmarks/http.py
+	$(PY) benchmarks/http_overhead.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

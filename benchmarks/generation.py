@@ -31,7 +31,6 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/http.py is not stdlib http
 sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
 
 import argparse  # noqa: E402
@@ -40,7 +39,7 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from workload import machine_info, make_trace, mean, percentile  # noqa: E402
+from workload import llm_requests, machine_info, make_trace, replay_stream, summarize_llm  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -64,58 +63,21 @@ def parse_args(argv=None):
 
 
 def make_requests(args):
-    from computron import zoo
     ids = [f"m{i}" for i in range(args.models)]
     trace = make_trace([args.rate] * args.models, args.cv, args.duration, args.seed, ids)
-    rng = np.random.default_rng(args.seed + 1)
-    vocab = zoo.hf_config(args.model).vocab_size
-    sigma = 1.0
-    mu = np.log(args.mean_tokens) - sigma ** 2 / 2
-    reqs = []
-    for t, mid in trace:
-        n_prompt = int(rng.integers(args.prompt_min, args.prompt_max + 1))
-        prompt = [2] + [int(x) for x in rng.integers(4, vocab, size=n_prompt - 1)]
-        n_new = int(min(args.max_tokens_cap, max(1, round(rng.lognormal(mu, sigma)))))
-        reqs.append((t, mid, {"input_ids": prompt, "max_tokens": n_new}))
-    return ids, reqs
+    return ids, llm_requests(trace, args.model, args.seed + 1, args.mean_tokens, args.max_tokens_cap,
+                             (args.prompt_min, args.prompt_max))
 
 
 async def replay(engine, ids, reqs, mode):
     for mid in ids:  # warm-up: load every model once
         await engine.submit(mid, {"input_ids": [2, 5], "max_tokens": 1})
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    results = []
-
-    async def one(at, mid, data):
-        await asyncio.sleep(max(0.0, t0 + at - loop.time()))  # the load generator's arrival clock
-        sent = loop.time()
-        first, n = None, 0
-        async for _ in engine.stream(mid, data):
-            n += 1
-            if first is None:
-                first = loop.time()
-        end = loop.time()
-        results.append({"ttft": first - sent, "e2e": end - sent, "tokens": n,
-                        "tpot": (end - first) / (n - 1) if n > 1 else None, "end": end})
-        if len(results) % 10 == 0:
-            print(f"[{mode}] {len(results)}/{len(reqs)} answered, {end - t0:.1f}s", file=sys.stderr, flush=True)
-
-    await asyncio.gather(*[one(*r) for r in reqs])
-    span = max(r["end"] for r in results) - t0
-    steps = engine.metrics("step")
-    return results, span, steps
+    results = await replay_stream(engine.stream, reqs, mode, progress_every=10)
+    return results, engine.metrics("step")
 
 
-def summarize(results, span, steps):
-    ttft = [r["ttft"] for r in results]
-    e2e = [r["e2e"] for r in results]
-    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
-    tokens = sum(r["tokens"] for r in results)
-    out = {"requests": len(results), "output_tokens": tokens, "span_s": span,
-           "ttft_mean": mean(ttft), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-           "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
-           "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99), "tokens_per_s": tokens / span}
+def summarize(results, steps):
+    out = summarize_llm(results)
     if steps:
         out["steps"] = len(steps)
         out["master_ms_per_step"] = 1e3 * float(np.mean([s.master_s for s in steps]))
@@ -135,8 +97,8 @@ def run_mode(args, mode, ids, reqs):
     async def go():
         async with engine:
             return await replay(engine, ids, reqs, mode)
-    results, span, steps = asyncio.run(go())
-    summary = summarize(results, span, steps)
+    results, steps = asyncio.run(go())
+    summary = summarize(results, steps)
     print(f"[{mode}] {json.dumps(summary)}", file=sys.stderr, flush=True)
     return summary
 

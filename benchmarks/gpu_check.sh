@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # GPU check of model swapping, for one NVIDIA GPU (sized for an H200: ~141 GB device, 128 GB host).
 #
-# Steps (each under `timeout`; the whole run stays under GPU_CHECK_BUDGET_S, default 470 s):
+# Steps (each under `timeout`; the whole run stays under GPU_CHECK_BUDGET_S, default 590 s):
 #   1. nvidia-smi -L, torch / CUDA / transformers versions          -> one JSON line
 #   2. host<->device copy_ bandwidth of 4 GiB, pageable and pinned  -> one JSON line
 #   3. python -m benchmarks.gpu_correctness: tiny OPT and Llama on the GPU equal transformers on the CPU
 #   4. benchmarks/swap.py --model opt-6.7b --dtype float16 --tp 1 --repeats 3
 #      (~13.3 GB of fp16 weights; fast and paper engines in one run) -> one JSON line
+#   5. experiments/llm_sim.py: 3 x ${LLM_SIM_MODEL:-opt-1.3b}, one resident, Gamma config 1, LLM-like outputs;
+#      request level vs token level (each policy) vs the Ray-Serve-style multiplexing loader -> one JSON line
 # Every JSON line is appended to ${OUT:-.}/gpu_results.jsonl; swap.py's progress log goes to
 # ${OUT:-.}/swap_opt-6.7b.log (its per-engine lines survive a timeout).
 #
-# Python steps run as modules (-m benchmarks.NAME), so no file in benchmarks/ (http.py, ...) shadows the stdlib.
+# Python steps run as modules (-m benchmarks.NAME), from the repository root.
 # Run from the repository root, nothing to install (torch + transformers preinstalled, no network):
 #   bash benchmarks/gpu_check.sh
 # A step that fails or times out is reported and the next one still runs; the exit status is 1
@@ -23,7 +25,7 @@ mkdir -p "$OUT_DIR"
 RESULTS="$OUT_DIR/gpu_results.jsonl"
 SWAP_LOG="$OUT_DIR/swap_opt-6.7b.log"
 PY="${PYTHON:-python3}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-470}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-590}"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
@@ -102,12 +104,19 @@ if ! timeout -k 10 "$(left 90)" "$PY" -m benchmarks.gpu_correctness | tee -a "$R
 fi
 
 step "swap benchmark: opt-6.7b float16, tp=1, repeats=3 (log: $SWAP_LOG)"
-if ! timeout -k 20 "$(left 460)" "$PY" -m benchmarks.swap --model opt-6.7b --dtype float16 --tp 1 --repeats 3 \
+if ! timeout -k 20 "$(left 330)" "$PY" -m benchmarks.swap --model opt-6.7b --dtype float16 --tp 1 --repeats 3 \
         2> >(tee -a "$SWAP_LOG" >&2) | tee -a "$RESULTS"; then
     failed+=("swap")
     sleep 1  # let the log's tee catch up
     echo "swap step failed or timed out; per-engine results so far:" >&2
     grep ' engine: ' "$SWAP_LOG" >&2 || true
+fi
+
+step "LLM workload: 3 x ${LLM_SIM_MODEL:-opt-1.3b}, request vs token level vs a multiplexing loader"
+if ! timeout -k 20 "$(left 200)" "$PY" experiments/llm_sim.py --model "${LLM_SIM_MODEL:-opt-1.3b}" --configs 1 \
+        --max-loaded 1 --duration 20 --rate-scale 1 --modes request,rtc,quantum,deadline,peer \
+        --out "$OUT_DIR/llm_sim.json" | tee -a "$RESULTS"; then
+    failed+=("llm_sim")
 fi
 
 step "done in ${SECONDS}s; results in $RESULTS"

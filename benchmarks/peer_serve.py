@@ -12,25 +12,21 @@ or point PYTHONPATH at a folder holding it (``pip install --target DIR accelerat
 
     python benchmarks/peer_serve.py [--model opt-tiny] [--n 30] [--max-tokens 16] [--tp 1] [--max-loaded 1]
 """
+import argparse
 import os
 import sys
+import asyncio
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
 
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # keep benchmarks/http.py from shadowing the stdlib's http
+import httpx
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import httpx  # noqa: E402
-
-from computron import tokenizer_zoo  # noqa: E402
+from computron import tokenizer_zoo
 
 PROMPTS = ["The engine swaps models", "Hello wörld", "def submit(self, model_id", "GPU memory"]
 

@@ -92,7 +92,7 @@ import threading
 import time
 
 if __package__ in (None, ""):  # run as a script: import from the repo, not from this folder
-    _here = os.path.dirname(os.path.abspath(__file__))  # (a benchmark module here may shadow the stdlib)
+    _here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
     sys.path.insert(0, os.path.dirname(_here))
 

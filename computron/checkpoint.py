@@ -40,9 +40,10 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 64 << 20
 """Largest single read, and the size of the scratch buffer for strided slices."""
-_MIN_RUN_BYTES = 1 << 10
-"""Contiguous runs at least this long are read straight into place (one pread each: no copy, no torch
-threads); shorter ones via whole rows through the scratch buffer."""
+_MIN_RUN_BYTES = 1 << 20
+"""Contiguous runs at least this long are read straight into place, one pread each; shorter ones (a
+dim-1 shard's rows) as whole rows, in large sequential reads through the scratch buffer (the disk
+reads the rows around them anyway, and the other TP ranks of the machine find them in the page cache)."""
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -458,7 +459,23 @@ class _Reader:
             buf = self._scratch(k * along * inner * item).view(e.dtype).view(k, along * inner)
             self._pread(e.file, buf, e.begin + o * along * inner * item)
             self.bytes -= buf.numel() * item - k * run * item  # count the slice, not the rows around it
-            out[o:o + k].copy_(buf[:, start * inner:(start + length) * inner])
+            piece = buf[:, start * inner:(start + length) * inner]
+            if convert:
+                out[o:o + k].copy_(piece)
+            else:  # a byte copy in numpy: one memcpy per row, no torch intra-op threads to wake
+                import numpy as np
+                np.copyto(_bytes2d(out[o:o + k]), _bytes2d(piece))
+
+
+def _bytes2d(t: torch.Tensor):
+    """A 2-D tensor with contiguous rows as a numpy uint8 array over the same memory."""
+    import numpy as np
+    item = t.element_size()
+    assert t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+    storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())  # the whole storage, as bytes
+    base = storage.numpy()[t.storage_offset() * item:]
+    return np.lib.stride_tricks.as_strided(base, shape=(t.shape[0], t.shape[1] * item),
+                                           strides=(t.stride(0) * item, 1), writeable=True)
 
 
 def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch.Tensor],

@@ -24,7 +24,7 @@ class EngineConfig:
     queue_size: int = 0
     """Per-model bound on waiting requests; 0 means unbounded. Over it: QueueFullError."""
     max_batch_size: int = 0
-    """Batch size of the OPTBatchManager a causal LM gets when its ModelConfig names none; 0 means 8."""
+    """Batch size of the CausalLMBatchManager a causal LM gets when its ModelConfig names none; 0 means 8."""
     backend: Optional[str] = None
     """Data-plane backend: 'gloo' or 'nccl'; None picks nccl where CUDA exists, else gloo."""
     device: Optional[str] = None

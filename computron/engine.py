@@ -31,6 +31,7 @@ from .config import EngineConfig, ModelConfig
 from .errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
                      WorkerError)
 from .generation import CausalLMBatchManager
+from .budget import device_budget, model_sizes
 from .metrics import BatchRecord, KVRecord, PreemptionRecord, RequestRecord, StepRecord, SwapRecord
 from .scheduler import ActionKind, ModelState, Scheduler, choose_recompute
 from .sequences import END, Request, TokenBatch
@@ -95,6 +96,8 @@ class Engine:
                           "preemptions": Counter(), "steps": Counter(), "tokens": Counter(),
                           "requests": Counter()}
         self._last_swap: Dict[str, Dict[str, dict]] = defaultdict(dict)
+        self._kv_bytes: Dict[str, int] = {}
+        """Each model's KV cache bytes on the output rank after its last step."""
         self._prefill_rate: Dict[str, float] = {}
         """Prompt tokens per second of each model's prefills (steps that admitted sequences)."""
         self._wall_offset = time.time() - time.perf_counter()
@@ -410,9 +413,9 @@ class Engine:
 
     def _kv_costs(self, model_id: str) -> Dict[str, float]:
         """What moving a KV cache and recomputing it cost here, from this model's own records."""
-        steps = [r for r in self._records if r.kind == "step" and r.model_id == model_id][-200:]
         tokens = sum(len(r.spec.prompt) + len(r.tokens) for r in self._token_batches[model_id].running.values())
-        kv_per_token = steps[-1].kv_bytes / tokens if steps and tokens else 0.0
+        kv = self._kv_bytes.get(model_id, 0)
+        kv_per_token = kv / tokens if kv and tokens else 0.0
         load = self._last_swap[model_id].get("load")
         copy_bps = load["bytes"] / max(load["seconds"], 1e-9) / self.n_workers if load else 1e10
         return {"kv_bytes_per_token": kv_per_token, "copy_bytes_per_s": copy_bps,
@@ -609,6 +612,7 @@ class Engine:
                 self._channel.send(msg.Step(rseq, m, drop=stale))
         elif out is not None:
             self._counters["tokens"][m] += len(out.sids)
+            self._kv_bytes[m] = out.kv_bytes
             ended = set(out.ended)
             # a preemption decided while this step ran may already have moved sequences to recompute
             paused = {r.uid: r for r in tb.to_recompute}
@@ -715,37 +719,6 @@ class Engine:
                 self._on_close(already_dead)
         finally:
             self._stopped.set()
-
-
-def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:
-    """Device bytes per rank each model needs: its largest shard plus the KV reserve."""
-    ids = {m for w in workers for m in w.host_bytes}
-    return {m: int(max(w.host_bytes.get(m, 0) for w in workers) * (1 + config.kv_reserve)) for m in ids}
-
-
-def device_budget(config: EngineConfig, workers: List[msg.WorkerReady]) -> Optional[int]:
-    """``EngineConfig.device_budget`` in bytes per rank (a fraction is of the smallest device)."""
-    b = config.device_budget
-    if b is None or (isinstance(b, int) and not isinstance(b, bool)):
-        return b
-    memory = min((w.device_memory for w in workers if w.device_memory), default=0)
-    if not memory:
-        raise ValueError(f"EngineConfig.device_budget={b}: a fraction needs the device's memory size, "
-                         "which the workers could not tell; give a byte count")
-    return int(b * memory)
-
-
-def check_memory(config: EngineConfig, workers: List[msg.WorkerReady]) -> None:
-    """Refuse, before serving, models that can never fit the device budget (names and numbers)."""
-    budget = device_budget(config, workers)
-    if budget is None:
-        return
-    sizes = model_sizes(config, workers)
-    too_big = {m: b for m, b in sizes.items() if b > budget}
-    if too_big:
-        raise ValueError(f"EngineConfig.device_budget={budget} bytes per rank cannot hold "
-                         + ", ".join(f"model {m!r} ({b} bytes per rank: shard + {config.kv_reserve:g} KV reserve)"
-                                     for m, b in sorted(too_big.items())))
 
 
 def _first_error(failures: Dict[int, msg.CommandFailed]) -> Optional[str]:

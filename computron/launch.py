@@ -168,7 +168,10 @@ def _threads_per_worker(config: EngineConfig, local_world: int) -> int:
 
 def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
                  model_configs: List[ModelConfig], addr: str, port: int, status, from_main_thread: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the master decides when we stop
+    # the master decides when we stop: a signal to the whole process group (Ctrl-C, `kill -TERM -PGID`,
+    # a supervisor) reaches the master, which drains and then stops us (SIGKILL if we don't exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(from_main_thread)
     _setup_logging(config, rank)
     torch.set_num_threads(_threads_per_worker(config, local_world))
@@ -202,22 +205,18 @@ class _SpawnedWorkers:
         return [p.sentinel for p in self.procs]
 
     def stop(self, grace_s: float) -> None:
-        """Let the workers exit within ``grace_s``, then SIGTERM, then (a second later) SIGKILL.
-        A stopped (SIGSTOP) process ignores SIGTERM until continued; SIGKILL still ends it."""
+        """Let the workers exit within ``grace_s``, then SIGKILL them (they ignore SIGTERM and SIGINT:
+        the master decides; a stopped process is ended by SIGKILL too)."""
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 1.0
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                log.warning("%s did not exit after SIGTERM: killing it", p.name)
+                if grace_s > 0:
+                    log.warning("%s did not exit within %.1fs: killing it", p.name, grace_s)
                 p.kill()
-                p.join()
+        for p in self.procs:
+            p.join()
 
     def exited(self, wait_s: float) -> Optional[str]:
         """Which worker exited, waiting up to ``wait_s`` for one (a broken connection comes first)."""
@@ -372,7 +371,7 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
 
 
 def _check_memory(config: EngineConfig, ready: List[msg.WorkerReady]) -> None:
-    from .engine import check_memory
+    from .budget import check_memory
     try:
         check_memory(config, ready)
     except ValueError as exc:

@@ -113,7 +113,7 @@ class WorkerReady:
     device_memory: int = 0
     """Total memory of this rank's device (host RAM for CPU workers), for fractional device budgets."""
     batching: Dict[str, dict] = field(default_factory=dict)
-    """model_id -> OPTBatchManager arguments for causal LMs (pad/eos ids, vocabulary, positions)."""
+    """model_id -> CausalLMBatchManager arguments for causal LMs (pad/eos ids, vocabulary, positions)."""
 
 
 @dataclass(frozen=True)

@@ -432,11 +432,12 @@ class ShardStore(_StoreBase):
         error = None
         reader = None
         try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0 (before pinning host memory)
             wait = lambda i: None  # noqa: E731 - the host copy is all there
             if from_disk:
                 reader, wait = self._start_read()
             if self.cuda:
-                torch.cuda.set_device(self.device)  # a new thread starts on device 0
                 with torch.cuda.stream(self.copy_stream):
                     for i, ranges in enumerate(self._ranges):
                         wait(i)

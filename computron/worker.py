@@ -98,6 +98,8 @@ class Worker:
         if where is None or self.config.paper_mode:
             return None, None
         path, dtype = where
+        if mc.checkpoint is not None and not os.path.isdir(path):
+            raise FileNotFoundError(f"model {mid!r}: ModelConfig.checkpoint={path!r} is not a directory")
         try:
             module, names = ck.meta_model(path, dtype, mid)
             runner = make_runner(module, mc, ctx)

@@ -210,3 +210,75 @@ class Progress:
             el = self._clock() - self.start
             print(f"[{self.mode}] {self.done}/{self.total} answered, {el:.1f}s elapsed, "
                   f"{self.done / el:.2f} req/s", file=sys.stderr, flush=True)
+
+
+# ---- LLM-like requests (token-level experiments and the generation benchmark) ----------------
+
+def llm_requests(trace: Sequence[Tuple[float, str]], model_name: str, seed: int, mean_tokens: float = 48.0,
+                 max_tokens_cap: int = 256, prompt_range: Tuple[int, int] = (8, 64)) -> List[Tuple[float, str, dict]]:
+    """``(arrival, model_id, request)`` for each arrival: a prompt of ``prompt_range`` random tokens and a
+    lognormal (sigma 1, mean ``mean_tokens``, capped) number of new tokens, all from ``seed``."""
+    from computron import zoo
+    rng = np.random.default_rng(seed)
+    vocab = zoo.hf_config(model_name).vocab_size
+    sigma = 1.0
+    mu = np.log(mean_tokens) - sigma ** 2 / 2
+    out = []
+    for t, mid in trace:
+        n_prompt = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
+        prompt = [2] + [int(x) for x in rng.integers(4, vocab, size=n_prompt - 1)]
+        n_new = int(min(max_tokens_cap, max(1, round(rng.lognormal(mu, sigma)))))
+        out.append((float(t), mid, {"input_ids": prompt, "max_tokens": n_new}))
+    return out
+
+
+async def replay_stream(submit_stream, requests: Sequence[Tuple[float, str, dict]], label: str = "",
+                        progress_every: int = 0) -> List[dict]:
+    """Send each request at its arrival time through ``submit_stream(model_id, data)`` (an async iterator
+    of tokens, e.g. ``engine.stream``) and record, per request, TTFT, end-to-end time and tokens."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    progress = Progress(label, len(requests), progress_every)
+    results: List[dict] = []
+
+    async def one(at, mid, data):
+        await asyncio.sleep(max(0.0, t0 + at - loop.time()))  # the load generator's arrival clock
+        sent = loop.time()
+        rec = {"model": mid, "arrival": at, "sent": sent - t0, "ok": True, "error": None, "tokens": 0}
+        first = None
+        try:
+            async for _ in submit_stream(mid, data):
+                rec["tokens"] += 1
+                if first is None:
+                    first = loop.time()
+        except Exception as exc:  # noqa: BLE001 - recorded; the replay goes on
+            rec["ok"], rec["error"] = False, f"{type(exc).__name__}: {exc}"
+        end = loop.time()
+        rec.update(ttft=None if first is None else first - sent, e2e=end - sent, end=end - t0,
+                   tpot=(end - first) / (rec["tokens"] - 1) if first is not None and rec["tokens"] > 1 else None)
+        results.append(rec)
+        progress.tick()
+
+    await asyncio.gather(*[one(*r) for r in requests])
+    return results
+
+
+def summarize_llm(results: Sequence[dict], ttft_slo: Optional[float] = None) -> dict:
+    """TTFT / time per output token / end-to-end (mean, p50, p99), tokens/s, SLO attainment."""
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    e2e = [r["e2e"] for r in ok]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    span = max((r["end"] for r in results), default=0.0)
+    out = {"requests": len(results), "errors": len(results) - len(ok), "output_tokens": tokens, "span_s": span,
+           "ttft_mean": mean(ttft), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+           "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+           "e2e_mean": mean(e2e), "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99),
+           "tokens_per_s": tokens / span if span else None}
+    if ttft_slo is not None:
+        out["ttft_slo_s"] = ttft_slo
+        out["slo_attainment"] = (sum(1 for r in ok if r["ttft"] is not None and r["ttft"] <= ttft_slo)
+                                 / len(results)) if results else None
+    return out

@@ -226,3 +226,34 @@ def test_round_robin_attribution_token_steps():
     assert r["offload"] == pytest.approx(0.05) and r["load"] == pytest.approx(0.10)
     assert r["model"] == pytest.approx(0.07) and r["batch_size"] == 1
     assert r["overhead"] == pytest.approx(0.253 - 0.05 - 0.10 - 0.07)
+
+
+@pytest.mark.timeout(300)
+def test_llm_sim_and_generation_benchmark_cpu_paths(tmp_path):
+    """The CPU-sized path of experiments/llm_sim.py (the GPU check's last step) and of
+    benchmarks/generation.py: every mode answers every request, and the JSON carries the fields."""
+    out = tmp_path / "llm.json"
+    cmd = [sys.executable, os.path.join(EXP, "llm_sim.py"), "--model", "opt-tiny", "--configs", "18",
+           "--duration", "1.5", "--rate-scale", "1", "--mean-tokens", "6", "--max-tokens-cap", "12",
+           "--modes", "request,quantum,peer", "--bisect", "18", "--bisect-steps", "1", "--bisect-duration", "1",
+           "--out", str(out), "--plot-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {r["mode"] for r in doc["runs"]} == {"request", "quantum", "peer"}
+    n = {r["requests"] for r in doc["runs"]}
+    assert len(n) == 1 and n.pop() > 0  # the same trace for every mode
+    assert all(r["errors"] == 0 and r["output_tokens"] > 0 and r["ttft_p99"] is not None for r in doc["runs"])
+    assert set(doc["bisect"]["modes"]) == {"request", "quantum", "peer"}
+    assert "sustainable_rate_ratio" in doc and "c18_ml1" in doc["ttft_p99_ratio"]
+    assert (tmp_path / "llm_sim_ttft_cdf.png").stat().st_size > 0
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["experiment"] == "llm_sim"
+
+    gen = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "generation.py"), "--model", "opt-tiny",
+                          "--models", "2", "--duration", "1.5", "--rate", "2", "--mean-tokens", "6"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert gen.returncode == 0, gen.stderr[-4000:]
+    line = json.loads(gen.stdout.strip().splitlines()[-1])
+    assert line["token"]["requests"] == line["request"]["requests"] > 0
+    for key in ("ttft_p99_ratio", "tokens_per_s_ratio", "master_ms_per_step"):
+        assert line[key] is not None and line[key] > 0

@@ -2,7 +2,6 @@
 import asyncio
 
 import pytest
-import torch
 from helpers import greedy_reference
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, zoo

@@ -2,7 +2,6 @@
 import asyncio
 
 import pytest
-import torch
 from helpers import POISON_TOKEN, greedy_reference, poisoned_lm
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, zoo

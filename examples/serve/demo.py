@@ -90,7 +90,7 @@ def main():
                   f"{r.usage.prompt_tokens}+{r.usage.completion_tokens} tokens): {prompts[name]!r} -> "
                   f"{r.choices[0].text!r}", flush=True)
         t0 = time.perf_counter()
-        print(f"\n[gamma] streamed chat: ", end="", flush=True)
+        print("\n[gamma] streamed chat: ", end="", flush=True)
         for chunk in client.chat.completions.create(model="gamma", stream=True, max_tokens=24, temperature=0,
                                                     messages=[{"role": "user", "content": prompts["gamma"]}]):
             print(chunk.choices[0].delta.content or "", end="", flush=True)

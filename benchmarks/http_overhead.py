@@ -8,23 +8,18 @@ tokenization, detokenization and SSE framing. The client is a minimal keep-alive
 streams (``--client raw``, the default), so the figure is the server's; ``--client httpx`` measures with
 httpx instead, whose own per-request cost (about 1 ms here) then counts too. Prints one JSON line.
 
-    python benchmarks/http.py [--n 200] [--max-tokens 16] [--tp 1] [--client raw|httpx]
+    python benchmarks/http_overhead.py [--n 200] [--max-tokens 16] [--tp 1] [--client raw|httpx]
 """
+import argparse
 import os
 import sys
+import asyncio
+import json
+import statistics
+import tempfile
+import time
 
-# run as a script, this file's folder comes first on sys.path and this file would shadow the stdlib's `http`
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import httpx  # noqa: E402
+import httpx
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, tokenizer_zoo, zoo
 from computron.server import create_app

@@ -1,0 +1,39 @@
+"""Device byte budgets: what each model needs per rank and what the budget allows (inputs of the pure
+scheduler, computed from the workers' ready messages)."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from . import messages as msg
+from .config import EngineConfig
+
+
+def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:
+    """Device bytes per rank each model needs: its largest shard plus the KV reserve."""
+    ids = {m for w in workers for m in w.host_bytes}
+    return {m: int(max(w.host_bytes.get(m, 0) for w in workers) * (1 + config.kv_reserve)) for m in ids}
+
+
+def device_budget(config: EngineConfig, workers: List[msg.WorkerReady]) -> Optional[int]:
+    """``EngineConfig.device_budget`` in bytes per rank (a fraction is of the smallest device)."""
+    b = config.device_budget
+    if b is None or (isinstance(b, int) and not isinstance(b, bool)):
+        return b
+    memory = min((w.device_memory for w in workers if w.device_memory), default=0)
+    if not memory:
+        raise ValueError(f"EngineConfig.device_budget={b}: a fraction needs the device's memory size, "
+                         "which the workers could not tell; give a byte count")
+    return int(b * memory)
+
+
+def check_memory(config: EngineConfig, workers: List[msg.WorkerReady]) -> None:
+    """Refuse, before serving, models that can never fit the device budget (names and numbers)."""
+    budget = device_budget(config, workers)
+    if budget is None:
+        return
+    sizes = model_sizes(config, workers)
+    too_big = {m: b for m, b in sizes.items() if b > budget}
+    if too_big:
+        raise ValueError(f"EngineConfig.device_budget={budget} bytes per rank cannot hold "
+                         + ", ".join(f"model {m!r} ({b} bytes per rank: shard + {config.kv_reserve:g} KV reserve)"
+                                     for m, b in sorted(too_big.items())))
