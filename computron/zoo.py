@@ -122,14 +122,24 @@ def save_random_causal_lm(name: str, path: str, seed: int = 0, dtype: str = "flo
                              "use another directory (e.g. with the dtype in its name) or delete it")
         return path
     model = random_causal_lm(name, seed=seed, dtype=dtype, **cfg)
+    return write_checkpoint(path, model.save_pretrained)
+
+
+def write_checkpoint(path: str, write) -> str:
+    """``write(tmp)`` a checkpoint into a private directory beside ``path``, then rename it into place:
+    several processes may write the same checkpoint at once (every rank under torchrun) and the first
+    rename wins. transformers' progress bars stay off meanwhile. Returns ``path``."""
+    from transformers.utils import logging as hf_logging
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)
-    from transformers.utils import logging as hf_logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
     try:
-        model.save_pretrained(tmp)
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         if bars:
             hf_logging.enable_progress_bar()

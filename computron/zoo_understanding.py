@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-import tempfile
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from . import zoo
 
 # name: (hidden, layers, intermediate, heads)
 ENCODER_SHAPES = {
@@ -144,27 +144,18 @@ def save_random_encoder(kind: str, path: str, task: str = "sequence", seed: int 
     processor (ViT); return ``path``. An existing checkpoint is kept; concurrent writers are safe."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
     tok = train_tokenizer(kind, max_length=kw.get("max_positions", 64)) if tokenizer and kind != "vit" else None
     if tok is not None:
         kw.setdefault("vocab_size", len(tok))
     model = random_encoder(kind, task, seed=seed, labels=labels, **kw)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)
-    model.save_pretrained(tmp)
-    if tok is not None:
-        tok.save_pretrained(tmp)
-    if kind == "vit":
-        image_processor(model.config).save_pretrained(tmp)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # someone else finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise
-    return path
+
+    def write(tmp):
+        model.save_pretrained(tmp)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        if kind == "vit":
+            image_processor(model.config).save_pretrained(tmp)
+    return zoo.write_checkpoint(path, write)
 
 
 def load_encoder(path: str, dtype: Optional[str] = None):

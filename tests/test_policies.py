@@ -1,22 +1,9 @@
 """Unit tests of the token-level policies, byte budgets, pinning and priorities (pure, no workers)."""
 import pytest
 
-from computron.scheduler import MIN_TURN_STEPS, Action, ActionKind, ModelState, Scheduler, choose_recompute
+from test_scheduler import load, offload, run
 
-OFFLOADED, LOADING, LOADED, OFFLOADING = (ModelState.OFFLOADED, ModelState.LOADING, ModelState.LOADED,
-                                          ModelState.OFFLOADING)
-
-
-def load(m):
-    return Action(ActionKind.LOAD, m)
-
-
-def offload(m):
-    return Action(ActionKind.OFFLOAD, m)
-
-
-def run(m):
-    return Action(ActionKind.RUN, m)
+from computron.scheduler import MIN_TURN_STEPS, ActionKind, Scheduler, choose_recompute
 
 
 def steps(s, m, n, t0, dt=0.01, running=None):

@@ -13,8 +13,7 @@ def _prompt(i):
     return [2] + [10 + (11 * i + k) % 400 for k in range(2 + i % 4)]
 
 
-@pytest.mark.parametrize("kv_swap,tp,pp", [("offload", 2, 1), ("recompute", 2, 1), ("offload", 1, 2),
-                                          ("recompute", 1, 2)])
+@pytest.mark.parametrize("kv_swap,tp,pp", [("offload", 2, 1), ("recompute", 1, 2)])
 def test_preempted_sequences_equal_generate(checkpoints, kv_swap, tp, pp):
     paths = {"opt": checkpoints["opt0"], "llama": checkpoints["llama0"]}
     refs = {m: zoo.load_causal_lm(p) for m, p in paths.items()}
