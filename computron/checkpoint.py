@@ -216,15 +216,13 @@ class ParamNames:
                 model.named_buffers(remove_duplicate=False)):
             by_id.setdefault(id(t), []).append(name)
         self.names: Dict[Tuple[int, str], List[str]] = {}
-        self.persistent: Dict[Tuple[int, str], bool] = {}
         self._keep = []  # ids stay valid while the objects live
         for mod in model.modules():
             self._keep.append(mod)
             for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
                 if t is not None:
                     self.names[(id(mod), attr)] = by_id.get(id(t), [])
-                    self.persistent[(id(mod), attr)] = attr not in mod._non_persistent_buffers_set
-        self.prefix = getattr(model, "base_model_prefix", "")
+        self.prefix = getattr(model, "base_model_prefix", "") or ""
 
     def of(self, mod: nn.Module, attr: str) -> Optional[List[str]]:
         return self.names.get((id(mod), attr))
@@ -304,7 +302,7 @@ class CheckpointSource:
                 known = names.of(mod, attr)
                 if known is None:
                     raise Unsupported(f"{type(mod).__name__}.{attr} was not part of the model the config builds")
-                key = self._key(known)
+                key = self._key(known, names.prefix)
                 if key is None:
                     if t.is_meta or attr in mod._parameters:
                         raise Unsupported(f"checkpoint {path!r} holds no tensor named {known or [attr]}")
@@ -325,10 +323,18 @@ class CheckpointSource:
         self.last_read_s = 0.0
         self.last_read_bytes = 0
 
-    def _key(self, names: Sequence[str]) -> Optional[str]:
+    def _key(self, names: Sequence[str], prefix: str = "") -> Optional[str]:
+        """The checkpoint's name for a tensor known by ``names``: as is, or without/with the base model
+        prefix (a base model's checkpoint under a task model, or the other way round)."""
         for n in names:
             if n in self.entries:
                 return n
+        if prefix:
+            p = prefix + "."
+            for n in names:
+                alt = n[len(p):] if n.startswith(p) else p + n
+                if alt in self.entries:
+                    return alt
         return None
 
     def check(self, slots) -> None:

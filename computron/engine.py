@@ -96,6 +96,9 @@ class Engine:
                           "preemptions": Counter(), "steps": Counter(), "tokens": Counter(),
                           "requests": Counter()}
         self._last_swap: Dict[str, Dict[str, dict]] = defaultdict(dict)
+        self._host_resident: Dict[int, set] = {w.rank: set(w.host_resident) for w in workers
+                                               if w.host_resident is not None}
+        """Per rank, the models whose shard it holds in host memory, as its last load reported."""
         self._kv_bytes: Dict[str, int] = {}
         """Each model's KV cache bytes on the output rank after its last step."""
         self._prefill_rate: Dict[str, float] = {}
@@ -153,8 +156,7 @@ class Engine:
             for m, q in self._queues.items():
                 state = self._sched.state(m)
                 tb = self._token_batches.get(m)
-                models[m] = {"state": state.value,
-                             "tier": "host" if state is ModelState.OFFLOADED else "device",
+                models[m] = {"state": state.value, "tier": self._tier(m, state),
                              "waiting": len(q), "running": len(tb.running) if tb else self._sched.inflight[m],
                              "paused": (len(tb.to_recompute) + (len(tb.running) if tb.paused_since else 0))
                              if tb else 0,
@@ -162,6 +164,15 @@ class Engine:
                              "last_load": self._last_swap[m].get("load"),
                              "last_offload": self._last_swap[m].get("offload")}
             return {"alive": self._dead is None, "dead_reason": self._dead, "models": models}
+
+    def _tier(self, m: str, state: ModelState) -> str:
+        """'device' while resident; else 'host' where every rank holds its shard in host memory, 'disk'
+        where some rank would read it from its checkpoint first (EngineConfig.host_budget)."""
+        if state is not ModelState.OFFLOADED:
+            return "device"
+        if self.config.host_budget is None or not self._host_resident:
+            return "host"
+        return "host" if all(m in held for held in self._host_resident.values()) else "disk"
 
     def events(self, since: int = 0):
         """``(cursor, [event, ...])``: timeline events (load, offload, batch, step) with an id above
@@ -550,8 +561,16 @@ class Engine:
         m = p.model_id
         device_bytes = {r: x.device_bytes for r, x in p.replies.items() if hasattr(x, "device_bytes")}
         nbytes = sum(getattr(x, "nbytes", 0) for x in p.replies.values()) if p.kind == "load" else 0
+        loaded = [x for x in p.replies.values() if isinstance(x, msg.Loaded)]
+        tier = "disk" if any(x.tier == "disk" for x in loaded) else "host"
+        read_s = max((x.read_s for x in loaded), default=0.0)
+        read_bytes = sum(x.read_bytes for x in loaded)
+        for x in loaded:
+            if x.host_resident is not None:
+                self._host_resident[x.rank] = set(x.host_resident)
         self._record(SwapRecord(p.kind, m, p.start, now, times, nbytes=nbytes, device_bytes=device_bytes,
-                                error=error, wall_start=self._wall(p.start), cause=p.info.get("cause", "")))
+                                error=error, wall_start=self._wall(p.start), cause=p.info.get("cause", ""),
+                                tier=tier, read_s=read_s, read_bytes=read_bytes))
         seconds = now - p.start
         if error is None:
             key = (m, p.kind)
@@ -560,6 +579,9 @@ class Engine:
             self._counters["swap_bytes"][key] += nbytes
             self._last_swap[m][p.kind] = {"seconds": seconds, "bytes": nbytes, "wall_time": self._wall(now),
                                           "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}
+            if p.kind == "load":
+                self._last_swap[m]["load"].update(
+                    tier=tier, read_s=read_s, read_gbps=read_bytes / read_s / 1e9 if read_s > 0 else None)
         if p.kind == "load":
             if error is None:
                 log.info("loaded %s in %.3f s (%.3f GB, %.2f GB/s over %d ranks)", m, seconds, nbytes / 1e9,

@@ -112,6 +112,8 @@ class WorkerReady:
     host_bytes: Dict[str, int] = field(default_factory=dict)  # model_id -> shard bytes
     device_memory: int = 0
     """Total memory of this rank's device (host RAM for CPU workers), for fractional device budgets."""
+    host_resident: Optional[Tuple[str, ...]] = None
+    """Models whose shard this rank keeps in host memory after start-up (None: all of them)."""
     batching: Dict[str, dict] = field(default_factory=dict)
     """model_id -> CausalLMBatchManager arguments for causal LMs (pad/eos ids, vocabulary, positions)."""
 
@@ -137,6 +139,8 @@ class Loaded:
     """Seconds this load spent reading from disk (the read overlaps the copy; 0 from host)."""
     read_bytes: int = 0
     """Bytes this load read from disk (this rank's shard; 0 from host)."""
+    host_resident: Optional[Tuple[str, ...]] = None
+    """The models whose shard this rank holds in host memory after this load (None: not reported)."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,12 @@ class SwapRecord(_Timed):
     """``start`` as wall-clock time (time.time())."""
     cause: str = ""
     """Why it happened: which model's request a load serves, which model an eviction makes room for."""
+    tier: str = "host"
+    """Where the load found the shards: 'host' memory, or 'disk' (read from the checkpoint first, on some rank)."""
+    read_s: float = 0.0
+    """The longest rank's disk read during a disk-tier load (it overlaps the host-to-device copy)."""
+    read_bytes: int = 0
+    """Bytes all ranks read from disk for this load."""
 
 
 

@@ -140,10 +140,17 @@ def _looks_local(path: str) -> bool:
             or bool(os.path.dirname(path)) and os.path.isdir(os.path.dirname(path)))
 
 
+CHECKPOINT_FIELD = "ModelConfig.checkpoint"
+
+
+def _label(key: str) -> str:
+    return key if key == CHECKPOINT_FIELD else f"model_kwargs[{key!r}]"
+
+
 def _read_config(mid: str, key: str, path: str) -> Dict[str, Any]:
     cfg = os.path.join(path, "config.json")
     if not os.path.isfile(cfg):
-        raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={path!r} has no config.json: "
+        raise PreflightError(f"model {mid!r}: {_label(key)}={path!r} has no config.json: "
                              "not a transformers checkpoint directory (save_pretrained writes one)")
     try:
         with open(cfg) as f:
@@ -154,19 +161,21 @@ def _read_config(mid: str, key: str, path: str) -> Dict[str, Any]:
 
 def _check_dir(mid: str, key: str, path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
-        raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={path!r}: expected a checkpoint directory path")
+        raise PreflightError(f"model {mid!r}: {_label(key)}={path!r}: expected a checkpoint directory path")
     path = os.fspath(path)
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(full):
-        raise PreflightError(f"model {mid!r}: checkpoint directory model_kwargs[{key!r}]={path!r} does not exist "
+        raise PreflightError(f"model {mid!r}: checkpoint directory {_label(key)}={path!r} does not exist "
                              f"({full}); write one with computron.zoo.save_random_causal_lm or save_pretrained")
     if not os.path.isdir(full):
-        raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={path!r} is a file, not a checkpoint directory")
+        raise PreflightError(f"model {mid!r}: {_label(key)}={path!r} is a file, not a checkpoint directory")
     return full
 
 
 def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
     mid, fn, kw = mc.model_id, mc.model_fn, mc.model_kwargs
+    if mc.checkpoint is not None:  # read slice by slice on the workers: it must be there now
+        _read_config(mid, CHECKPOINT_FIELD, _check_dir(mid, CHECKPOINT_FIELD, mc.checkpoint))
     hf_cfg: Optional[Dict[str, Any]] = None
     causal_loader = False
     source = ""

@@ -142,6 +142,7 @@ class Worker:
                                device=str(self.device),
                                host_bytes={m: s.nbytes for m, s in self.stores.items()},
                                device_memory=_device_memory(self.device),
+                               host_resident=self.host_resident(),
                                batching={m: r.batching_defaults() for m, r in self.runners.items()
                                          if hasattr(r, "batching_defaults")})
 
@@ -221,7 +222,8 @@ class Worker:
                                                   nbytes=store.nbytes, device_bytes=self.device_bytes(),
                                                   tier=getattr(store, "last_tier", "host"),
                                                   read_s=getattr(store, "last_read_s", 0.0),
-                                                  read_bytes=getattr(store, "last_read_bytes", 0)))
+                                                  read_bytes=getattr(store, "last_read_bytes", 0),
+                                                  host_resident=self.host_resident()))
             store.begin_load(done)  # returns at once, except in paper mode where it copies here
         elif isinstance(cmd, msg.Step):
             store = self._store(cmd.model_id)

@@ -21,6 +21,7 @@ from helpers import greedy_reference
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, zoo
 from computron import checkpoint as ck
+from computron import messages as msg
 from computron.models import StageContext, make_runner
 from computron.store import HostPool, ShardStore
 from computron.topology import Layout
@@ -142,8 +143,8 @@ def _peak_growth(path, sliced):
 
 
 def test_peak_host_memory_stays_near_the_shard(tmp_path_factory):
-    """A ~190 MB checkpoint read at TP=2 x PP=2: rank 0's peak memory grows by about its ~48 MB
-    shard, not by the model (the full-model path, measured the same way, grows by more than the model)."""
+    """A 174 MB checkpoint read at TP=2 x PP=2: rank 0's peak memory grows by about its 46 MB shard
+    (measured: 52 MB), not by the model (the full-model path, measured the same way: 165 MB)."""
     path = zoo.save_random_causal_lm("opt-125m", str(tmp_path_factory.mktemp("big") / "opt"), seed=0,
                                      vocab_size=512, dtype="float16")
     size = os.path.getsize(os.path.join(path, "model.safetensors"))
@@ -152,7 +153,7 @@ def test_peak_host_memory_stays_near_the_shard(tmp_path_factory):
     assert m["growth"] < 1.25 * m["shard"] + 24 * 2**20, (m, size)
     full = _peak_growth(path, sliced=False)
     assert full["shard"] == m["shard"]
-    assert full["growth"] > 0.9 * size, (full, size)
+    assert full["growth"] > max(0.6 * size, 2 * m["growth"]), (full, m, size)  # measured: 165 MB vs 52 MB
 
 
 # ---- the disk tier in the store ------------------------------------------------------------------
@@ -258,11 +259,28 @@ def test_models_cycle_through_disk_host_device_and_a_bad_file_fails_alone(checkp
         async with engine:
             shards = {r: w.host_bytes for r, w in engine.workers.items()}
             start = {r: s.host_resident for r, s in engine.stats().items()}
+            real = engine._on_reply_locked
+
+            def spy(reply):  # the Loaded replies, as the engine gets them
+                if isinstance(reply, msg.Loaded):
+                    loaded.append(reply)
+                return real(reply)
+            engine._on_reply_locked = spy
             for k in range(6):
                 m = names[k % 3]
                 out = await engine.submit(m, {"input_ids": PROMPTS[m], "max_tokens": 5})
                 assert out.tolist() == refs[m], (k, m)
             after = {r: s.host_resident for r, s in engine.stats().items()}
+            # the engine says where each model is, as the workers' own accounting does
+            states, snap = engine.model_states(), engine.snapshot()["models"]
+            for m in names:
+                where = "device" if states[m] != "offloaded" else (
+                    "host" if all(m in held for held in after.values()) else "disk")
+                assert snap[m]["tier"] == where, (m, snap[m], after)
+            assert any(s == "disk" for s in (snap[m]["tier"] for m in names))
+            disk_loads = [r for r in engine.metrics("load") if r.tier == "disk"]
+            assert disk_loads and all(r.read_bytes > 0 and r.read_s > 0 for r in disk_loads)
+            assert snap["opt1"]["last_load"]["tier"] in ("host", "disk")
             file = os.path.join(bad, "model.safetensors")
             with open(file, "r+b") as f:
                 f.truncate(os.path.getsize(file) // 2)
@@ -271,7 +289,17 @@ def test_models_cycle_through_disk_host_device_and_a_bad_file_fails_alone(checkp
             out = await engine.submit("opt0", {"input_ids": PROMPTS["opt0"], "max_tokens": 5})
             assert out.tolist() == refs["opt0"]
             return shards, start, after, str(info.value), file
+    loaded = []
     shards, start, after, error, file = asyncio.run(go())
+    rank0 = [(r.model_id, r.tier) for r in loaded if r.rank == 0]
+    # opt1 did not fit at start-up; reading it sent the least recently used (llama0, never loaded, then
+    # opt0) back to disk, and they came back from there
+    assert rank0[:4] == [("opt0", "host"), ("opt1", "disk"), ("llama0", "disk"), ("opt0", "disk")]
+    assert all(r.tier == "host" for r in loaded if r.rank >= 2)  # the last stage's shards all fit
+    disk = [r for r in loaded if r.tier == "disk"]
+    assert disk and all(0.9 * r.nbytes < r.read_bytes <= r.nbytes and r.read_s > 0 for r in disk)  # Llama's
+    # computed rotary buffers are not read
+    assert all(r.read_bytes == 0 and r.read_s == 0 for r in loaded if r.tier == "host")
     assert sum(shards[0].values()) > 1_100_000 >= shards[0]["opt0"] + shards[0]["llama0"]
     assert start[0] == ("opt0", "llama0") and start[2] == ("opt0", "opt1", "llama0", "bad")
     assert len(after[0]) < 4 and "bad" not in after[0]

@@ -7,6 +7,10 @@ request picks the model; the engine queues it and swaps models in as needed.
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> server-sent events)
     GET  /v1/models             GET  /health                   GET /metrics (Prometheus)
     GET  /                      the status page;  GET /api/status, GET /api/events?since=N feed it
+
+Encoder and ViT models (``encoders``: classifiers, embeddings) answer the Open Inference Protocol
+(KServe v2: ``GET /v2/models/{name}``, ``.../ready``, ``POST .../infer``; parsing in ``v2.py``) and, for
+embedding models, ``POST /v1/embeddings``; the text-generation routes answer 400 for them.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from ..errors import (EngineDeadError, PayloadError, QueueFullError, RequestTime
 from .config import ServerSettings
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .text import ChatTemplateError, ModelText, TextStream
+from . import v2
 
 log = logging.getLogger("computron.server")
 
@@ -210,9 +215,12 @@ def _messages(messages: Any) -> List[Dict[str, Any]]:
 
 class ServerState:
     def __init__(self, engine, texts: Dict[str, ModelText], settings: ServerSettings,
-                 queue_sizes: Optional[Dict[str, int]] = None, max_positions: Optional[Dict[str, int]] = None):
+                 queue_sizes: Optional[Dict[str, int]] = None, max_positions: Optional[Dict[str, int]] = None,
+                 encoders: Optional[Dict[str, "v2.UnderstandingModel"]] = None):
         self.engine = engine
         self.texts = texts
+        self.encoders = encoders or {}
+        self.paths = {**{m: t.path for m, t in texts.items()}, **{m: e.path for m, e in self.encoders.items()}}
         self.settings = settings
         self.queue_sizes = {m: q for m, q in (queue_sizes or {}).items() if q}
         self.max_positions = max_positions or {}
@@ -243,7 +251,13 @@ class ServerState:
     def model_text(self, model: str) -> ModelText:
         text = self.texts.get(model)
         if text is None:
-            raise UnknownModelError(model, self.texts)
+            enc = self.encoders.get(model)
+            if enc is not None:
+                hint = " and /v1/embeddings" if enc.kind == v2.EMBEDDING else ""
+                raise APIError(400, f"model {model!r} is an encoder ({enc.kind}), not a text generator: use "
+                                    f"/v2/models/{model}/infer{hint}", "invalid_request_error", "model",
+                               "model_not_generative")
+            raise UnknownModelError(model, self.paths)
         return text
 
     def check_queue(self, model: str) -> None:
@@ -319,13 +333,15 @@ def _sse(obj: Dict[str, Any]) -> bytes:
 
 def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSettings] = None,
                queue_sizes: Optional[Dict[str, int]] = None, max_positions: Optional[Dict[str, int]] = None,
-               owns_engine: bool = False) -> FastAPI:
-    """The FastAPI app serving ``engine``'s models; ``texts`` maps each model id to its tokenizer.
+               owns_engine: bool = False, encoders: Optional[Dict[str, "v2.UnderstandingModel"]] = None) -> FastAPI:
+    """The FastAPI app serving ``engine``'s models; ``texts`` maps each causal LM's id to its tokenizer,
+    ``encoders`` each encoder or ViT model's id to its ``v2.UnderstandingModel``.
 
     With ``owns_engine`` the app shuts the engine down when it stops (after uvicorn's graceful drain).
     """
     settings = settings or ServerSettings()
-    state = ServerState(engine, texts, settings, queue_sizes, max_positions)
+    state = ServerState(engine, texts, settings, queue_sizes, max_positions, encoders)
+    encoders = state.encoders
 
     @asynccontextmanager
     async def lifespan(app):
@@ -526,7 +542,7 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
             return err.response()
         snap = engine.snapshot()["models"]
         data = [{"id": m, "object": "model", "created": int(state.started), "owned_by": "computron",
-                 "state": _openai_state(snap.get(m, {})), "root": texts[m].path} for m in texts]
+                 "state": _openai_state(snap.get(m, {})), "root": path} for m, path in state.paths.items()]
         return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
 
     @app.get("/health")
@@ -551,7 +567,7 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
     async def status():
         snap = engine.snapshot()
         models = []
-        for m in texts:
+        for m in state.paths:
             s = snap["models"].get(m, {})
             models.append({"id": m, "state": _state_name(s), "engine_state": s.get("state"), "tier": s.get("tier"),
                            "waiting": s.get("waiting", 0), "running": s.get("running", 0),
@@ -565,4 +581,166 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
         cursor, evs = engine.events(since)
         return Response(_dumps({"next": cursor, "events": evs}), media_type="application/json")
 
+    v2_routes(app, state, timeout)
     return app
+
+
+def _v2_response(body: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
+    return Response(_dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
+    """The Open Inference Protocol (KServe v2 REST) for encoder and ViT models, and OpenAI's /v1/embeddings.
+    Causal LMs are not v2 models here: /v2/models/{name} answers 404 for them (they live under /v1)."""
+    engine, encoders = state.engine, state.encoders
+
+    def v2_fail(exc: BaseException) -> Response:
+        err = v2.v2_error(exc)
+        if err is None:
+            if isinstance(exc, APIError):
+                err = v2.V2Error(exc.status, exc.message, exc.headers)
+            else:
+                log.exception("unexpected error", exc_info=exc)
+                err = v2.V2Error(500, f"internal error: {type(exc).__name__}: {exc}")
+        return _v2_response({"error": err.message}, err.status, err.headers)
+
+    def v2_model(name: str) -> "v2.UnderstandingModel":
+        m = encoders.get(name)
+        if m is None:
+            if name in state.texts:
+                raise v2.V2Error(404, f"model {name!r} is a text-generation model, served under /v1 only; "
+                                      f"v2 models: {sorted(encoders)}")
+            raise v2.V2Error(404, f"unknown model {name!r}; v2 models: {sorted(encoders)}")
+        return m
+
+    @app.get("/v2")
+    async def v2_server_metadata():
+        return _v2_response({"name": "computron", "version": "1", "extensions": []})
+
+    @app.get("/v2/health/live")
+    async def v2_live():
+        return _v2_response({"live": True})
+
+    @app.get("/v2/health/ready")
+    async def v2_ready():
+        ok = engine.is_alive and not state.draining
+        return _v2_response({"ready": ok}, 200 if ok else 503)
+
+    @app.get("/v2/models/{name:path}/ready")
+    async def v2_model_ready(name: str, request: Request):
+        try:
+            state.check_auth(request)
+            v2_model(name)
+            state.check_serving()
+        except Exception as exc:  # noqa: BLE001
+            return v2_fail(exc)
+        return _v2_response({"name": name, "ready": True})
+
+    @app.get("/v2/models/{name:path}")  # registered second: the versions route must match first
+    @app.get("/v2/models/{name:path}/versions/{version}")
+    async def v2_metadata(name: str, request: Request, version: Optional[str] = None):
+        try:
+            state.check_auth(request)
+            m = v2_model(name)
+            if version not in (None, "1"):
+                raise v2.V2Error(404, f"model {name!r} has no version {version!r}; versions: ['1']")
+        except Exception as exc:  # noqa: BLE001
+            return v2_fail(exc)
+        return _v2_response(m.metadata())
+
+    async def submit_all(request: Request, model: str, rows: List[Dict[str, Any]]) -> List[Any]:
+        """One engine request per row, all in flight together (the batch manager batches them); a failure
+        or a client that goes away cancels the rest."""
+        async def all_rows():
+            tasks = [asyncio.ensure_future(engine.submit(model, r, timeout=timeout)) for r in rows]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    if not t.done():
+                        t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return await _unless_disconnected(request, all_rows())
+
+    async def read_json(request: Request, bad) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise bad(f"the request body is not valid JSON: {exc}") from None
+
+    @app.post("/v2/models/{name:path}/infer")
+    @app.post("/v2/models/{name:path}/versions/{version}/infer")
+    async def v2_infer(name: str, request: Request, version: Optional[str] = None):
+        t0 = time.perf_counter()
+        label = name if name in encoders else "_unknown"
+        try:
+            state.check_auth(request)
+            m = v2_model(name)
+            if version not in (None, "1"):
+                raise v2.V2Error(404, f"model {name!r} has no version {version!r}; versions: ['1']")
+            body = await read_json(request, lambda msg: v2.V2Error(400, msg))
+            rows, want, rid = v2.parse_infer(m, body)
+            v2.check_rows(m, rows, ("text", "input_ids", "pixel_values", "image"))
+            state.check_serving()
+            state.check_queue(name)
+            answers = await submit_all(request, name, rows)
+            out = v2.encode_outputs(m, answers, want, rid)
+        except ClientGone:
+            state.metrics.request_done(label, "v2_infer", 499)
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every failure answers in the v2 shape
+            resp = v2_fail(exc)
+            state.metrics.request_done(label, "v2_infer", resp.status_code)
+            log.debug("v2 infer %s: %d (%.1f ms)", name, resp.status_code, (time.perf_counter() - t0) * 1e3)
+            return resp
+        e2e = time.perf_counter() - t0
+        state.metrics.request_done(label, "v2_infer", 200)
+        state.metrics.e2e.labels(label).observe(e2e)
+        log.debug("v2 infer %s: 200, %d rows, %.1f ms", name, len(rows), e2e * 1e3)
+        return _v2_response(out)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        t0 = time.perf_counter()
+        label = "_unknown"
+        try:
+            state.check_auth(request)
+            body = await read_json(request, lambda msg: _bad(None, msg))
+            if not isinstance(body, dict):
+                raise _bad(None, "the request body must be a JSON object")
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise _bad("model", "model: a model id (string) is required")
+            m = encoders.get(model)
+            if m is None:
+                if model in state.texts:
+                    raise _bad("model", f"model {model!r} is a text-generation model and serves no embeddings")
+                raise UnknownModelError(model, state.paths)
+            label = model
+            if m.kind != v2.EMBEDDING:
+                raise _bad("model", f"model {model!r} is a {m.kind} model and serves no embeddings (serve its "
+                                    f"checkpoint with task: embedding); use /v2/models/{model}/infer")
+            try:
+                rows, counts, fmt = v2.parse_embeddings(m, body)
+            except ValueError as exc:
+                param, msg = exc.args
+                raise _bad(param, msg) from None
+            state.check_serving()
+            state.check_queue(model)
+            answers = await submit_all(request, model, rows)
+        except ClientGone:
+            state.metrics.request_done(label, "embeddings", 499)
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
+            err = api_error(exc)
+            state.metrics.request_done(label, "embeddings", err.status)
+            return err.response()
+        e2e = time.perf_counter() - t0
+        n = sum(counts)
+        state.metrics.request_done(label, "embeddings", 200)
+        state.metrics.prompt_tokens.labels(label).inc(n)
+        state.metrics.e2e.labels(label).observe(e2e)
+        out = {"object": "list", "data": v2.embedding_data([a["embedding"] for a in answers], fmt),
+               "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return Response(_dumps(out), media_type="application/json")

@@ -3,6 +3,10 @@
     computron serve ckpt/a ckpt/b --tp 2 --max-loaded 1           # quick: model ids from directory names
     computron serve small=ckpt/a big=ckpt/b --port 8000 --api-key sk-1
     computron serve --config serve.yaml                           # models, engine and server sections
+    computron serve cls=ckpt/bert-sst2 emb=ckpt/bert --task emb=embedding   # encoders: /v2 and /v1/embeddings
+
+Encoder (bert, roberta, xlm-roberta) and ViT checkpoints are served over the Open
+Inference Protocol (/v2/models/ID/infer); embedding models also at /v1/embeddings.
 
 Everything is checked before any worker starts; a bad field or path ends the
 command with one line naming it (exit code 2). SIGTERM or SIGINT stops accepting
@@ -38,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-size", type=int, help="sequences batched per model (default 8)")
     s.add_argument("--queue-size", type=int, help="waiting requests per model before 429 (default unbounded)")
     s.add_argument("--dtype", choices=DTYPES, help="dtype of every model given on the command line")
+    s.add_argument("--task", action="append", dest="tasks", metavar="ID=TASK",
+                   help="an encoder's task: embedding or classification (repeatable; default: classification "
+                   "when the checkpoint has a classification head, else embedding)")
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port to listen on (default 8000)")
     s.add_argument("--api-key", action="append", dest="api_keys", help="accepted bearer token (repeatable)")
@@ -56,12 +63,14 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     if args.checkpoints:
         if raw.get("models"):
             raise ConfigError("checkpoints given both on the command line and in the config's models")
-        raw["models"] = model_entries_from_paths(args.checkpoints)
+        raw["models"] = model_entries_from_paths(args.checkpoints, args.tasks)
         if args.dtype:
             for m in raw["models"]:
                 m["dtype"] = args.dtype
     elif not raw.get("models"):
         raise ConfigError("no models: give checkpoint directories or --config with a models list")
+    elif args.tasks:
+        raise ConfigError("--task goes with checkpoints given on the command line (in a config: models[i].task)")
     engine = raw.setdefault("engine", {}) if isinstance(raw.get("engine", {}), dict) else raw["engine"]
     server = raw.setdefault("server", {}) if isinstance(raw.get("server", {}), dict) else raw["server"]
     if isinstance(engine, dict):
@@ -77,15 +86,20 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def load_texts(cfg: ServeConfig):
-    """Every model's tokenizer and position limit, before any worker starts."""
+    """Every causal LM's tokenizer and position limit, and every encoder's batch manager, before any worker
+    starts: ``(texts, max_positions, hf_configs, encoders)``."""
     from transformers import AutoConfig
     from .text import ModelText
-    texts, max_positions, hf_configs = {}, {}, {}
+    texts, max_positions, hf_configs, encoders = {}, {}, {}, {}
     for i, m in enumerate(cfg.models):
         try:
             hf = AutoConfig.from_pretrained(m.path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(f"models[{i}].path: {m.path!r}: cannot read config.json: {exc}") from None
+        hf_configs[m.id] = hf
+        if m.kind not in (None, "causal_lm"):
+            encoders[m.id] = _understanding_model(cfg, i, m, hf)
+            continue
         try:
             texts[m.id] = ModelText(m.id, m.path)
         except Exception as exc:  # noqa: BLE001
@@ -94,22 +108,43 @@ def load_texts(cfg: ServeConfig):
         n = getattr(hf, "max_position_embeddings", None)
         if isinstance(n, int):
             max_positions[m.id] = n
-        hf_configs[m.id] = hf
-    return texts, max_positions, hf_configs
+    return texts, max_positions, hf_configs, encoders
 
 
-def model_configs(cfg: ServeConfig, hf_configs):
-    from .. import zoo
+def _understanding_model(cfg: ServeConfig, i: int, m, hf):
+    """The batch manager (from ``computron.understanding``) of an encoder or ViT entry, wrapped for the
+    v2 routes."""
+    from ..understanding import (EmbeddingBatchManager, ImageClassificationBatchManager,
+                                 TextClassificationBatchManager)
+    from .v2 import EMBEDDING, IMAGE, UnderstandingModel
+    cls = {EMBEDDING: EmbeddingBatchManager, IMAGE: ImageClassificationBatchManager}.get(
+        m.kind, TextClassificationBatchManager)
+    bs = m.max_batch_size or cfg.engine.max_batch_size or 8
+    try:
+        bm = cls.for_checkpoint(m.path, max_batch_size=bs)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"models[{i}].path: {m.path!r}: cannot build its {m.kind} batch manager: "
+                          f"{type(exc).__name__}: {exc}") from None
+    return UnderstandingModel(m.id, m.path, m.kind, bm, hidden_size=getattr(hf, "hidden_size", None))
+
+
+def model_configs(cfg: ServeConfig, hf_configs, encoders=None):
+    from .. import zoo, zoo_understanding
     from ..config import ModelConfig
     from ..generation import CausalLMBatchManager
+    encoders = encoders or {}
     out = []
     for m in cfg.models:
-        bm = None
-        if m.max_batch_size is not None:
-            bm = CausalLMBatchManager.for_config(hf_configs[m.id], max_batch_size=m.max_batch_size)
         kwargs = {"path": m.path}
         if m.dtype is not None:
             kwargs["dtype"] = m.dtype
+        if m.id in encoders:
+            out.append(ModelConfig(m.id, zoo_understanding.load_encoder, kwargs,
+                                   batch_manager=encoders[m.id].batch_manager))
+            continue
+        bm = None
+        if m.max_batch_size is not None:
+            bm = CausalLMBatchManager.for_config(hf_configs[m.id], max_batch_size=m.max_batch_size)
         out.append(ModelConfig(m.id, zoo.load_causal_lm, kwargs, batch_manager=bm))
     return out
 
@@ -128,8 +163,8 @@ def _uvicorn_server(app, cfg: ServeConfig, on_signal):
             for s in self.servers:
                 for sock in s.sockets:
                     host, port = sock.getsockname()[:2]
-                    log.info("serving %s on http://%s:%d (OpenAI API under /v1, status page at /)",
-                             ", ".join(m.id for m in cfg.models), host, port)
+                    log.info("serving %s on http://%s:%d (OpenAI API under /v1, KServe v2 under /v2, "
+                             "status page at /)", ", ".join(m.id for m in cfg.models), host, port)
     s = cfg.server
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, access_log=False,
                             timeout_graceful_shutdown=s.shutdown_grace_s, lifespan="on", loop="asyncio",
@@ -137,7 +172,7 @@ def _uvicorn_server(app, cfg: ServeConfig, on_signal):
     return Server(config)
 
 
-async def serve(cfg: ServeConfig, texts, max_positions, hf_configs) -> int:
+async def serve(cfg: ServeConfig, texts, max_positions, hf_configs, encoders=None) -> int:
     from ..errors import LaunchError
     from ..launch import LaunchEngine
     from .app import create_app
@@ -145,12 +180,13 @@ async def serve(cfg: ServeConfig, texts, max_positions, hf_configs) -> int:
     log.info("starting %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d", cfg.tp * cfg.pp, cfg.tp,
              cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path})" for m in cfg.models), cfg.engine.max_loaded)
     try:
-        engine = await asyncio.to_thread(LaunchEngine, cfg.engine, model_configs(cfg, hf_configs), cfg.tp, cfg.pp)
+        engine = await asyncio.to_thread(LaunchEngine, cfg.engine, model_configs(cfg, hf_configs, encoders),
+                                       cfg.tp, cfg.pp)
     except LaunchError as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
     app = create_app(engine, texts, s, queue_sizes={m.id: m.queue_size for m in cfg.models},
-                     max_positions=max_positions, owns_engine=True)
+                     max_positions=max_positions, owns_engine=True, encoders=encoders)
     state = app.state.computron
 
     def on_signal(sig):
@@ -175,11 +211,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = build_config(args)
         logging.getLogger("computron").setLevel(getattr(logging, cfg.server.log_level.upper()))
-        texts, max_positions, hf_configs = load_texts(cfg)
+        texts, max_positions, hf_configs, encoders = load_texts(cfg)
     except ConfigError as exc:
         print(f"computron serve: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(cfg, texts, max_positions, hf_configs))
+    return asyncio.run(serve(cfg, texts, max_positions, hf_configs, encoders))
 
 
 if __name__ == "__main__":

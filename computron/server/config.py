@@ -8,6 +8,10 @@ A config file::
         dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
         max_batch_size: 8        # optional: sequences batched together for this model
         queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)
+      - id: embed                # an encoder (bert, roberta, xlm-roberta) or ViT checkpoint is served over
+        path: ckpt/bert-base     # the v2 protocol (/v2/models/embed/infer), embeddings also at /v1/embeddings
+        task: embedding          # optional: embedding | classification (default: classification when the
+                                 # checkpoint has a classification head, else embedding)
     engine:                      # any EngineConfig field, plus tp and pp
       tp: 2
       pp: 1
@@ -51,6 +55,12 @@ class ModelEntry:
     """Sequences of this model batched together; None takes engine.max_batch_size."""
     queue_size: Optional[int] = None
     """Waiting requests of this model before the server answers 429; None takes engine.queue_size."""
+    task: Optional[str] = None
+    """Encoders and ViT only: 'embedding' or 'classification'; None picks classification when the checkpoint
+    has a classification head, else embedding."""
+    kind: Optional[str] = None
+    """Set by validation: 'causal_lm', or the understanding kind ('sequence-classification',
+    'token-classification', 'embedding', 'image-classification')."""
 
 
 @dataclass
@@ -95,15 +105,66 @@ def _check_type(name: str, value: Any, kind, allow_none: bool = False):
         raise ConfigError(f"{name}={value!r}: must be a string")
 
 
+TASKS = ("embedding", "classification")
+
+
+def encoder_model_types() -> set:
+    """transformers ``model_type`` values served by the encoder runner (bert, roberta, xlm-roberta, vit)."""
+    from ..models.registry import FAMILIES
+    return {t for f in FAMILIES if f.runner == "encoder" for t in f.model_types}
+
+
+def checkpoint_info(path: str) -> Dict[str, Any]:
+    """``model_type`` and ``architectures`` of a checkpoint's config.json ({} when unreadable)."""
+    import json
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def understanding_kind(name: str, path: str, task: Optional[str]) -> str:
+    """'causal_lm' for a checkpoint outside the encoder families, else the kind its batch manager serves."""
+    info = checkpoint_info(path)
+    model_type = info.get("model_type")
+    archs = [a for a in (info.get("architectures") or []) if isinstance(a, str)]
+    if model_type not in encoder_model_types():
+        if task is not None:
+            raise ConfigError(f"{name.rsplit('.', 1)[0]}.task={task!r}: only encoder and ViT checkpoints "
+                              f"(bert, roberta, xlm-roberta, vit) take a task; {path!r} is {model_type!r}")
+        return "causal_lm"
+    where = f"{name.rsplit('.', 1)[0]}.task"
+    if task is not None and task not in TASKS:
+        raise ConfigError(f"{where}={task!r}: must be one of {list(TASKS)}")
+    if model_type == "vit":
+        if not any(a.endswith("ForImageClassification") for a in archs):
+            raise ConfigError(f"{name}: ViT checkpoint {path!r} has no image classification head "
+                              f"(architectures={archs!r}); only ViT classifiers are served")
+        if task == "embedding":
+            raise ConfigError(f"{where}='embedding': ViT checkpoints serve image classification only")
+        return "image-classification"
+    head = ("token-classification" if any(a.endswith("ForTokenClassification") for a in archs) else
+            "sequence-classification" if any(a.endswith("ForSequenceClassification") for a in archs) else None)
+    if task == "classification" and head is None:
+        raise ConfigError(f"{where}='classification': {path!r} has no sequence or token classification head "
+                          f"(architectures={archs!r})")
+    if task == "embedding" or head is None:
+        return "embedding"
+    return head
+
+
 def check_checkpoint(name: str, path: Any) -> str:
-    """A checkpoint directory with a config.json and tokenizer files, or a ConfigError naming it."""
+    """A checkpoint directory with a config.json and tokenizer files, or a ConfigError naming it. Encoder
+    and ViT checkpoints need no tokenizer (then they take input_ids or pixel values)."""
     from .text import tokenizer_files_present
     _check_type(name, path, str)
     if not os.path.isdir(path):
         raise ConfigError(f"{name}: checkpoint directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{name}: {path!r} has no config.json (not a transformers checkpoint)")
-    if not tokenizer_files_present(path):
+    if checkpoint_info(path).get("model_type") not in encoder_model_types() and not tokenizer_files_present(path):
         raise ConfigError(f"{name}: {path!r} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
     return path
 
@@ -111,7 +172,7 @@ def check_checkpoint(name: str, path: Any) -> str:
 def parse_models(raw: Any) -> List[ModelEntry]:
     if not isinstance(raw, list) or not raw:
         raise ConfigError("models: must be a non-empty list of {id, path, ...}")
-    known = {f.name for f in dataclasses.fields(ModelEntry)}
+    known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind"}
     out, seen = [], set()
     for i, m in enumerate(raw):
         where = f"models[{i}]"
@@ -131,6 +192,8 @@ def parse_models(raw: Any) -> List[ModelEntry]:
             raise ConfigError(f"{where}.id={entry.id!r}: duplicate model id")
         seen.add(entry.id)
         entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
+        _check_type(f"{where}.task", entry.task, str, allow_none=True)
+        entry.kind = understanding_kind(f"{where}.path", entry.path, entry.task)
         if entry.dtype is not None and entry.dtype not in DTYPES:
             raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
         for k in ("max_batch_size", "queue_size"):
@@ -218,12 +281,20 @@ def load_file(path: str) -> Dict[str, Any]:
     return raw if raw is not None else {}
 
 
-def model_entries_from_paths(paths: List[str]) -> List[Dict[str, Any]]:
-    """``ckpt/a`` serves as model ``a``; ``name=ckpt/a`` names it."""
+def model_entries_from_paths(paths: List[str], tasks: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """``ckpt/a`` serves as model ``a``; ``name=ckpt/a`` names it. ``tasks`` (``--task ID=TASK``) sets an
+    encoder's task."""
     out = []
     for p in paths:
         mid, sep, path = p.partition("=")
         if not sep:
             mid, path = os.path.basename(os.path.normpath(p)), p
         out.append({"id": mid, "path": path})
+    ids = {m["id"]: m for m in out}
+    for t in tasks or []:
+        mid, sep, task = t.partition("=")
+        if not sep or mid not in ids:
+            raise ConfigError(f"--task {t!r}: must be ID=TASK naming a model given on the command line "
+                              f"({', '.join(ids)})")
+        ids[mid]["task"] = task
     return out
