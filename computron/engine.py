@@ -590,12 +590,24 @@ class Engine:
                 return
             log.error("loading %s failed: %s", m, error)
             self._sched.on_load_failed(m)
+            failure = WorkerError(f"loading model {m!r} failed: {error}")
             for entry in list(self._queues[m]):
-                self._finish(entry.uid, error=WorkerError(f"loading model {m!r} failed: {error}"))
+                self._finish(entry.uid, error=failure)
             self._queues[m].clear()
             seq = next(self._seqs)  # release whatever some ranks did load
             self._pending[seq] = _Pending("cleanup", m, now)
             self._channel.send(msg.Offload(seq, m))
+            tb = self._token_batches.get(m)
+            if tb is not None and tb.live:  # paused sequences cannot resume without their model
+                on_workers = tuple(sorted(set(tb.running) | tb.to_drop))
+                for req in tb.take_all():
+                    self._finish(req.uid, error=failure)
+                tb.to_drop.clear()
+                tb.paused_since = None
+                if on_workers:
+                    seq = next(self._seqs)
+                    self._pending[seq] = _Pending("cleanup", m, now)
+                    self._channel.send(msg.Drop(seq, m, on_workers))
             return
         if error is not None:  # the store releases its buffers even then; say what went wrong
             log.error("offloading %s reported: %s", m, error)

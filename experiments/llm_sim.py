@@ -16,7 +16,9 @@ across configurations), every request sent with ``Engine.stream``:
 Per run: TTFT and end-to-end mean/p50/p99, SLO attainment (TTFT within ``--ttft-slo``), output tokens/s,
 swaps (loads) and preemptions. ``--bisect INDEX`` finds, per mode, the sustainable rate of that
 configuration: the largest rate scale (bisection over ``--bisect-steps`` runs of ``--bisect-duration`` s
-between 0 and ``--bisect-hi``) at which p99 TTFT stays within the objective; ``sustainable_rate_ratio`` is
+between 0 and ``--bisect-hi``, every probe drawn from the same seed) at which p99 TTFT stays within the
+objective (at request level the first token comes with the whole answer, so the objective must allow one
+answer's generation time for that mode to sustain any rate at all); ``sustainable_rate_ratio`` is
 the best token-level mode's over ``request``'s. Plots (``--plot-dir``): TTFT CDFs per configuration and
 p99 TTFT against the rate scale, one line per mode.
 
@@ -42,7 +44,7 @@ TOKEN_MODES = ("rtc", "quantum", "deadline")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="opt-125m")
-    p.add_argument("--configs", default="0,1,4", help="indices of workload.CONFIGS")
+    p.add_argument("--configs", default="0,1,4", help="indices of workload.CONFIGS ('' for a bisection alone)")
     p.add_argument("--max-loaded", default="1", help="comma-separated, e.g. 1,2")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--duration", type=float, default=30.0)
@@ -185,7 +187,7 @@ def bisect_rate(engine, cfg, args, label: str) -> dict:
     for step in range(args.bisect_steps):
         scale = (lo + hi) / 2
         trace = workload.make_trace([r * scale for r in cfg.rates], cfg.cv, args.bisect_duration,
-                                    args.seed + 100 + step, [f"m{i}" for i in range(cfg.n_models)])
+                                    args.seed, [f"m{i}" for i in range(cfg.n_models)])
         reqs = workload.llm_requests(trace, args.model, args.seed + 1, args.mean_tokens, args.max_tokens_cap)
         s = run_trace(engine, reqs, f"{label} x{scale:.3f}", args.ttft_slo)
         ok = s["errors"] == 0 and s["ttft_p99"] is not None and s["ttft_p99"] <= args.ttft_slo
@@ -198,24 +200,29 @@ def plot(doc: dict, out_dir: str) -> List[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     keys = sorted({(r["config"], r["max_loaded"]) for r in doc["runs"]})
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.2 * max(1, len(keys)), 3.6), sharey=True,
+                             squeeze=False)
     for ax, (c, ml) in zip(axes[0], keys):
         for r in doc["runs"]:
             if (r["config"], r["max_loaded"]) == (c, ml) and r["ttfts"]:
                 xs = r["ttfts"]
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["mode"])
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"config {c} {doc['labels'][str(c)]}\nmax_loaded={ml}", fontsize=9)
         ax.set_xlabel("TTFT (s)")
         ax.axvline(doc["ttft_slo_s"], color="grey", lw=0.8, ls=":")
     axes[0][0].set_ylabel("fraction of requests")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "llm_sim_ttft_cdf.png"))
-    fig.savefig(paths[-1], dpi=110)
+    if keys:
+        axes[0][-1].legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "llm_sim_ttft_cdf.png"))
+        fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
     if doc.get("bisect"):
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for mode, b in doc["bisect"]["modes"].items():
@@ -229,6 +236,7 @@ def plot(doc: dict, out_dir: str) -> List[str]:
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "llm_sim_p99_vs_rate.png"))
         fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     return paths
 
 
