@@ -288,10 +288,12 @@ def main(argv=None) -> dict:
                 close(engine)
         rates = {m: b["sustainable_scale"] for m, b in doc["bisect"]["modes"].items()}
         token = [m for m in TOKEN_MODES if m in rates]
-        if token and rates.get("request"):
+        doc["sustainable_rate_ratio"] = None  # without both sides, or when request level sustains no rate
+        if token:
             best = max(token, key=lambda m: rates[m])
-            doc["sustainable_rate_ratio"] = rates[best] / rates["request"]
             doc["best_token_mode"] = best
+            if rates.get("request"):
+                doc["sustainable_rate_ratio"] = rates[best] / rates["request"]
     # ratios on the swap-bound runs: best token-level p99 TTFT over request-level, per configuration
     ratios = {}
     for c in configs:

@@ -235,7 +235,8 @@ def test_llm_sim_and_generation_benchmark_cpu_paths(tmp_path):
     out = tmp_path / "llm.json"
     cmd = [sys.executable, os.path.join(EXP, "llm_sim.py"), "--model", "opt-tiny", "--configs", "18",
            "--duration", "1.5", "--rate-scale", "1", "--mean-tokens", "6", "--max-tokens-cap", "12",
-           "--modes", "request,quantum,peer", "--bisect", "18", "--bisect-steps", "1", "--bisect-duration", "1",
+           "--modes", "request,quantum,peer", "--bisect", "18", "--bisect-steps", "1", "--bisect-duration", "1.5",
+           "--bisect-hi", "4", "--ttft-slo", "60",
            "--out", str(out), "--plot-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -245,7 +246,8 @@ def test_llm_sim_and_generation_benchmark_cpu_paths(tmp_path):
     assert len(n) == 1 and n.pop() > 0  # the same trace for every mode
     assert all(r["errors"] == 0 and r["output_tokens"] > 0 and r["ttft_p99"] is not None for r in doc["runs"])
     assert set(doc["bisect"]["modes"]) == {"request", "quantum", "peer"}
-    assert "sustainable_rate_ratio" in doc and "c18_ml1" in doc["ttft_p99_ratio"]
+    assert doc["sustainable_rate_ratio"] > 0 and doc["best_token_mode"] == "quantum"
+    assert "c18_ml1" in doc["ttft_p99_ratio"]
     assert (tmp_path / "llm_sim_ttft_cdf.png").stat().st_size > 0
     assert json.loads(proc.stdout.strip().splitlines()[-1])["experiment"] == "llm_sim"
 
