@@ -1,10 +1,12 @@
 """Starting `computron serve` as a subprocess for tests: checkpoints with tokenizers, a free port,
 readiness by retrying /health within a deadline, and a stop that leaves no process behind."""
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -26,6 +28,29 @@ def write_checkpoints(root, n=3, no_chat=False):
         paths["nochat"] = tokenizer_zoo.save_checkpoint_with_tokenizer(
             "opt-tiny", os.path.join(root, "nochat"), seed=9, tokenizer=tok, chat_template=None)
     return paths
+
+
+@contextlib.contextmanager
+def app_in_thread(app):
+    """Serve ``app`` with uvicorn from a thread of this process; yields its base URL.
+
+    The socket listens before the thread starts, so a request sent at once waits in the backlog until
+    uvicorn (after its start-up) accepts it: no readiness polling."""
+    import uvicorn
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        t.join(30)
+        sock.close()
+    assert not t.is_alive(), "the in-thread server did not stop"
 
 
 def free_port():

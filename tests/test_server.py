@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import ServerProcess, free_port, write_checkpoints
+from serve_helpers import ServerProcess, app_in_thread, write_checkpoints
 from transformers import AutoTokenizer
 
 from computron import zoo
@@ -277,7 +277,7 @@ def test_queue_full_is_429_with_retry_after(server, http):
         t.start()
         deadline = time.monotonic() + 60
         while {m["id"]: m for m in http.get("/api/status").json()["models"]}["q"]["waiting"] < 1:
-            assert time.monotonic() < deadline and t.is_alive(), "the in-thread server did not start"
+            assert time.monotonic() < deadline and t.is_alive(), "the second request was never queued"
             time.sleep(0.02)  # bounded wait until the second request is queued
         r3 = http.post("/v1/completions", json={"model": "q", "prompt": "one too many", "max_tokens": 2})
         _check_error(r3, 429, code="queue_full")
@@ -428,19 +428,9 @@ class StubEngine:
 
 
 def test_engine_error_statuses_and_mid_stream_error_event(ckpts):
-    import uvicorn
     engine = StubEngine()
     app = create_app(engine, {"s0": ModelText("s0", ckpts["m0"])}, ServerSettings())
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert time.monotonic() < deadline and t.is_alive(), "the in-thread server did not start"
-            time.sleep(0.02)  # readiness of the in-thread server
+    with app_in_thread(app) as url:
         body = {"model": "s0", "prompt": "hi", "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body).status_code == 200
         engine.error = QueueFullError("model 's0' already has 4 waiting requests (queue_size=4)")
@@ -463,10 +453,6 @@ def test_engine_error_statuses_and_mid_stream_error_event(ckpts):
         engine.dead = "engine is dead: worker rank 1 exited unexpectedly"
         assert httpx.get(url + "/health").status_code == 503
         _check_error(httpx.post(url + "/v1/completions", json=body), 503, code="engine_dead")
-    finally:
-        srv.should_exit = True
-        t.join(30)
-    assert not t.is_alive()
 
 
 # ---- lifecycle: their own servers --------------------------------------------------------------------

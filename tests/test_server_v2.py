@@ -7,15 +7,13 @@ max_loaded=1 so they swap) is shared by the live tests; the 429/503 statuses use
 import base64
 import functools
 import io
-import threading
-import time
 from collections import deque
 
 import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import ServerProcess, free_port
+from serve_helpers import ServerProcess, app_in_thread
 
 from computron import zoo_understanding as zu
 from computron.batch import SubmitEntry
@@ -297,22 +295,12 @@ class StubEngine:
 
 
 def test_queue_full_429_and_engine_dead_503(ckpts):
-    import uvicorn
     from computron.server.v2 import EMBEDDING, UnderstandingModel
     enc = UnderstandingModel("e", ckpts["emb"], EMBEDDING, manager(ckpts["emb"], "emb"), hidden_size=32)
     engine = StubEngine(32)
     app = create_app(engine, {}, ServerSettings(), encoders={"e": enc})
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
     body = {"inputs": [tensor("text", "BYTES", [2], ["a b", "c"])]}
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert time.monotonic() < deadline and t.is_alive(), "the in-thread server did not start"
-            time.sleep(0.02)  # readiness of the in-thread server
+    with app_in_thread(app) as url:
         assert outputs(httpx.post(url + "/v2/models/e/infer", json=body))["embedding"]["shape"] == [2, 32]
         engine.error = QueueFullError("model 'e' already has 4 waiting requests (queue_size=4)")
         r = httpx.post(url + "/v2/models/e/infer", json=body)
@@ -325,10 +313,6 @@ def test_queue_full_429_and_engine_dead_503(ckpts):
         r = httpx.post(url + "/v2/models/e/infer", json=body)
         assert r.status_code == 503 and "dead" in r.json()["error"]
         assert httpx.post(url + "/v1/embeddings", json={"model": "e", "input": "a"}).status_code == 503
-    finally:
-        srv.should_exit = True
-        t.join(30)
-    assert not t.is_alive()
 
 
 # ---- configuration (no workers) --------------------------------------------------------------------------
