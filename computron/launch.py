@@ -314,16 +314,17 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             workers.stop(grace_s=0)
             clean = False
         else:
+            # everything within shutdown_grace_s: the workers' goodbyes, then SIGKILL, then the process group
             deadline = time.monotonic() + config.shutdown_grace_s
             channel.send(msg.Shutdown())
-            clean = channel.close(timeout=config.shutdown_grace_s)
+            clean = channel.close(timeout=0.8 * config.shutdown_grace_s)
             if not clean:
                 channel.abandon()
-            workers.stop(grace_s=max(0.0, deadline - time.monotonic()))
+            workers.stop(grace_s=max(0.0, deadline - 0.5 - time.monotonic()))
         if clean and dist.is_initialized():
             dist.destroy_process_group()
         elif dist.is_initialized():
-            _destroy_in_background()
+            _destroy_in_background(1.0 if dead else max(0.1, deadline - time.monotonic()))
 
     engine = Engine(config, configs, layout, channel, ready, on_close=on_close)
     engine_box["e"] = engine
@@ -378,11 +379,12 @@ def _check_memory(config: EngineConfig, ready: List[msg.WorkerReady]) -> None:
         raise LaunchError(str(exc)) from None
 
 
-def _destroy_in_background() -> None:
-    """A thread may still sit in a receive from a dead peer: don't let that block the caller."""
+def _destroy_in_background(wait_s: float) -> None:
+    """A thread may still sit in a receive from a dead peer: don't let that block the caller for long
+    (usually the group is gone by then, so a later LaunchEngine in this process can start its own)."""
     t = threading.Thread(target=dist.destroy_process_group, daemon=True)
     t.start()
-    t.join(1.0)  # usually done by then; shutdown stays bounded when it is not
+    t.join(wait_s)
 
 
 def _install_exit_hooks(engine: Engine) -> None:
