@@ -290,7 +290,8 @@ class ShardStore(_StoreBase):
         for s in self.slots:
             s.offset = totals.get(s.dtype, 0)
             totals[s.dtype] = s.offset + s.numel
-        self._totals = totals
+        self.host_numels = totals
+        """Elements of the contiguous host buffer per dtype (what a host pool must keep to reuse)."""
         if source is not None:
             source.check(self.slots)
             self.host: Dict[torch.dtype, torch.Tensor] = {}
@@ -335,9 +336,9 @@ class ShardStore(_StoreBase):
 
     def _alloc_host(self) -> Dict[torch.dtype, torch.Tensor]:
         if self.host_pool is not None:
-            return {dt: self.host_pool.take(dt, n) for dt, n in self._totals.items()}
+            return {dt: self.host_pool.take(dt, n) for dt, n in self.host_numels.items()}
         return {dt: pinned_empty(n, dt) if self.cuda else torch.empty(n, dtype=dt)
-                for dt, n in self._totals.items()}
+                for dt, n in self.host_numels.items()}
 
     def _drop_host(self) -> None:
         host, self.host = self.host, {}
@@ -381,7 +382,7 @@ class ShardStore(_StoreBase):
         self.last_tier = "disk" if from_disk else "host"
         self.last_read_s, self.last_read_bytes = 0.0, 0
         try:
-            for dt, n in self._totals.items():
+            for dt, n in self.host_numels.items():
                 bufs[dt] = (self.pool.take(dt, n) if self.pool is not None
                             else torch.empty(n, dtype=dt, device=self.device))
         except BaseException:

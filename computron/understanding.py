@@ -65,7 +65,12 @@ def _check_int(data: Dict[str, Any], key: str, lo: int = 1) -> None:
         raise ValueError(f"{key}={v!r}: must be an int >= {lo}")
 
 
-def _labels(id2label: Optional[Dict[Any, str]], n: int) -> List[str]:
+def _labels(id2label: Optional[Dict[Any, str]], n: Optional[int]) -> List[str]:
+    """The label names of a classifier head of ``n`` outputs (``n`` defaults to ``len(id2label)``)."""
+    if n is None:
+        n = len(id2label) if id2label else None
+    if not n:
+        raise ValueError("num_labels: give id2label or num_labels")
     id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
     return [id2label.get(i, f"LABEL_{i}") for i in range(n)]
 
@@ -246,10 +251,6 @@ class TextClassificationBatchManager(_TextBatching):
         super().__init__(**kw)
         if task not in ("sequence", "token"):
             raise ValueError(f"task={task!r}: must be 'sequence' or 'token'")
-        if num_labels is None:
-            num_labels = len(id2label) if id2label else None
-        if not num_labels:
-            raise ValueError("num_labels: give id2label or num_labels")
         self.labels = _labels(id2label, num_labels)
         self.task = task
         self.problem_type = problem_type
@@ -354,10 +355,6 @@ class ImageClassificationBatchManager(BatchManager):
                  max_image_bytes: int = 32 << 20):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r}: must be an int >= 1")
-        if num_labels is None:
-            num_labels = len(id2label) if id2label else None
-        if not num_labels:
-            raise ValueError("num_labels: give id2label or num_labels")
         self.labels = _labels(id2label, num_labels)
         h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         self.shape = (int(num_channels), int(h), int(w))

@@ -127,7 +127,7 @@ class Worker:
             used -= v.release_host()
             log.info("rank %d: %s leaves host memory for disk (host LRU)", self.rank, names[id(v)])
         if self.host_pool is not None:  # what the pool keeps besides the buffers this model will reuse
-            self.host_pool.trim(max(0, budget - used - store.nbytes), keep_for=store._totals)
+            self.host_pool.trim(max(0, budget - used - store.nbytes), keep_for=store.host_numels)
         if used + store.nbytes > budget:
             log.warning("rank %d: %s needs %.1f MB of host memory but only %.1f MB of host_budget is free "
                         "(the rest is resident or loading): it goes over the budget", self.rank,

@@ -53,6 +53,38 @@ def app_in_thread(app):
     assert not t.is_alive(), "the in-thread server did not stop"
 
 
+class StubEngineBase:
+    """The engine's public API, in a given state (``error`` raised by requests, ``dead`` reason), for
+    statuses a live engine cannot be put into on demand; subclasses answer ``submit`` / ``stream``."""
+
+    def __init__(self, model_id: str):
+        self.model_id = model_id
+        self.error = None
+        self.dead = None
+
+    @property
+    def is_alive(self):
+        return self.dead is None
+
+    @property
+    def model_ids(self):
+        return [self.model_id]
+
+    def snapshot(self):
+        return {"alive": self.dead is None, "dead_reason": self.dead,
+                "models": {self.model_id: {"state": "loaded", "tier": "device", "waiting": 0, "running": 0,
+                                           "last_load": None, "last_offload": None}}}
+
+    def counters(self):
+        return {}
+
+    def events(self, since=0):
+        return since, []
+
+    async def shutdown(self):
+        pass
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

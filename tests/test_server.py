@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import ServerProcess, app_in_thread, write_checkpoints
+from serve_helpers import ServerProcess, StubEngineBase, app_in_thread, write_checkpoints
 from transformers import AutoTokenizer
 
 from computron import zoo
@@ -382,22 +382,12 @@ def test_metrics_parse_and_count_the_requests_sent(server, client, http):
 
 # ---- error statuses that need the engine in a given state: a stub engine behind a live server ---------
 
-class StubEngine:
+class StubEngine(StubEngineBase):
     """Answers two tokens, or raises what the test sets (before the first token or mid-stream)."""
 
     def __init__(self):
-        self.error = None
+        super().__init__("s0")
         self.mid_stream_error = None
-        self.dead = None
-        self.running = 0
-
-    @property
-    def is_alive(self):
-        return self.dead is None
-
-    @property
-    def model_ids(self):
-        return ["s0"]
 
     async def submit(self, model_id, data, timeout=None):
         if self.error:
@@ -411,20 +401,6 @@ class StubEngine:
         if self.mid_stream_error:
             raise self.mid_stream_error
         yield 301
-
-    def snapshot(self):
-        return {"alive": self.dead is None, "dead_reason": self.dead,
-                "models": {"s0": {"state": "loaded", "tier": "device", "waiting": 0, "running": 0,
-                                  "last_load": None, "last_offload": None}}}
-
-    def counters(self):
-        return {}
-
-    def events(self, since=0):
-        return since, []
-
-    async def shutdown(self):
-        pass
 
 
 def test_engine_error_statuses_and_mid_stream_error_event(ckpts):

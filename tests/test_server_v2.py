@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import ServerProcess, app_in_thread
+from serve_helpers import ServerProcess, StubEngineBase, app_in_thread
 
 from computron import zoo_understanding as zu
 from computron.batch import SubmitEntry
@@ -267,31 +267,15 @@ def test_openai_routes_refuse_the_wrong_kind_of_model(server, http):
 
 # ---- statuses that need the engine in a given state: a stub engine behind an in-thread server ----------
 
-class StubEngine:
+class StubEngine(StubEngineBase):
     def __init__(self, dim):
-        self.error, self.dead, self.dim = None, None, dim
-
-    @property
-    def is_alive(self):
-        return self.dead is None
+        super().__init__("e")
+        self.dim = dim
 
     async def submit(self, model_id, data, timeout=None):
         if self.error:
             raise self.error
         return {"embedding": [0.5] * self.dim, "pooling": "mean"}
-
-    def snapshot(self):
-        return {"alive": self.dead is None, "dead_reason": self.dead,
-                "models": {"e": {"state": "loaded", "tier": "device", "waiting": 0, "running": 0}}}
-
-    def counters(self):
-        return {}
-
-    def events(self, since=0):
-        return since, []
-
-    async def shutdown(self):
-        pass
 
 
 def test_queue_full_429_and_engine_dead_503(ckpts):
