@@ -21,6 +21,7 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -135,7 +136,6 @@ def _quiet_third_party(worker: bool) -> None:
     if not worker:  # the master builds no model: leave the application's progress bars alone
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
-    import sys
     if "transformers" in sys.modules:  # already imported (a from_pretrained model_fn): switch its bars off
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -192,6 +192,13 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     worker.serve()
     channel.reply(msg.Bye(rank))
     dist.destroy_process_group()
+    # nothing is left to do: skip the interpreter's teardown, where a C++ thread of the communication
+    # libraries still being torn down aborts the process now and then ("terminate called without an
+    # active exception" on the user's console)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 class _SpawnedWorkers:

@@ -24,6 +24,7 @@ fresh host copy of every tensor.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -401,10 +402,11 @@ class ShardStore(_StoreBase):
         self._loader.start()
 
     def _start_read(self):
-        """Read the shard from disk on a thread of its own, segment by segment; the copy of a segment
-        to the device waits only for that segment (read-ahead overlapping the copy)."""
+        """Read the shard from disk on a thread of its own; returns (thread, ``next_segment``), which
+        gives the segments in the order they arrive (the copy of each waits only for it: read-ahead
+        overlapping the copy) and raises the read's error."""
         from .checkpoint import read_segments
-        arrived = [threading.Event() for _ in range(self.n_segments)]
+        arrived: "queue.Queue" = queue.Queue()
         state = {"error": None}
         host = self._alloc_host()
         self.host = host
@@ -412,22 +414,21 @@ class ShardStore(_StoreBase):
         def read():
             try:
                 dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments,
-                                      on_segment=lambda i: arrived[i].set())
+                                      on_segment=arrived.put)
                 self.last_read_s, self.last_read_bytes = dt, n
             except BaseException as exc:  # noqa: BLE001 - the copier reports it
                 state["error"] = exc
-            finally:
-                for e in arrived:
-                    e.set()
+                arrived.put(None)
 
         reader = threading.Thread(target=read, name="computron-read", daemon=True)
         reader.start()
 
-        def wait(i: int) -> None:
-            arrived[i].wait()
-            if state["error"] is not None:
+        def next_segment() -> int:
+            i = arrived.get()
+            if i is None:
                 raise state["error"]
-        return reader, wait
+            return i
+        return reader, next_segment
 
     def _copy(self, ready: _Readiness, t0: float, on_done, from_disk: bool = False) -> None:
         error = None
@@ -435,23 +436,24 @@ class ShardStore(_StoreBase):
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)  # a new thread starts on device 0 (before pinning host memory)
-            wait = lambda i: None  # noqa: E731 - the host copy is all there
+            order = iter(range(len(self._ranges)))
+            next_segment = lambda: next(order)  # noqa: E731 - the host copy is all there
             if from_disk:
-                reader, wait = self._start_read()
+                reader, next_segment = self._start_read()
             if self.cuda:
                 with torch.cuda.stream(self.copy_stream):
-                    for i, ranges in enumerate(self._ranges):
-                        wait(i)
-                        for dt, a, b in ranges:
+                    for _ in range(len(self._ranges)):
+                        i = next_segment()
+                        for dt, a, b in self._ranges[i]:
                             self._dev[dt][a:b].copy_(self.host[dt][a:b], non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(self.copy_stream)
                         ready.mark(i, ev)
                     self.copy_stream.synchronize()
             else:
-                for i, ranges in enumerate(self._ranges):
-                    wait(i)
-                    for dt, a, b in ranges:
+                for _ in range(len(self._ranges)):
+                    i = next_segment()
+                    for dt, a, b in self._ranges[i]:
                         self._dev[dt][a:b].copy_(self.host[dt][a:b])
                     ready.mark(i)
         except BaseException as exc:  # noqa: BLE001 - reported to the master

@@ -42,6 +42,7 @@ class Worker:
         self._host_clock = 0  # host LRU: last load of each model
         self._busy: Optional[tuple] = None  # (seq, since) of the command being executed
         self._stop_heartbeat = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
 
     # ---- start-up ------------------------------------------------------------
     def build(self) -> None:
@@ -52,6 +53,7 @@ class Worker:
         budget = self.config.host_budget
         host_used, read_s, read_bytes = 0, 0.0, 0
         n = len(self.model_configs)
+        t_start = time.perf_counter()
         for k, (mid, mc) in enumerate(self.model_configs.items()):
             t0 = time.perf_counter()
             ctx = StageContext(groups=self.groups, device=self.device, model_id=mid)
@@ -87,6 +89,7 @@ class Worker:
         if read_bytes:
             log.info("rank %d read %.1f MB of checkpoint slices in %.2fs = %.2f GB/s", self.rank,
                      read_bytes / 2**20, read_s, read_bytes / max(read_s, 1e-9) / 1e9)
+        log.info("rank %d built all %d models in %.2fs", self.rank, n, time.perf_counter() - t_start)
         if budget is not None and host_used > budget:
             log.warning("rank %d: models without a safetensors checkpoint hold %.1f MB of host memory, over "
                         "host_budget=%d bytes (they cannot go back to disk)", self.rank, host_used / 2**20, budget)
@@ -168,7 +171,8 @@ class Worker:
                                                      busy_s=now - busy[1] if busy else 0.0))
                 except Exception:  # noqa: BLE001 - the master is gone; the parent watch ends us
                     return
-        threading.Thread(target=beat, name=f"computron-heartbeat-{self.rank}", daemon=True).start()
+        self._heartbeat = threading.Thread(target=beat, name=f"computron-heartbeat-{self.rank}", daemon=True)
+        self._heartbeat.start()
 
     # ---- the command loop ----------------------------------------------------
     def serve(self) -> None:
@@ -178,7 +182,11 @@ class Worker:
         while True:
             cmd = self.channel.recv()
             if isinstance(cmd, msg.Shutdown):
+                # a beat sent after our goodbye would wait forever for a master that stopped receiving,
+                # and a thread left inside a send aborts the process at exit: let the last one land first
                 self._stop_heartbeat.set()
+                if self._heartbeat is not None:
+                    self._heartbeat.join(timeout=self.config.heartbeat_timeout_s)
                 for store in self.stores.values():
                     try:
                         store.wait_loaded()

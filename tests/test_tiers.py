@@ -89,6 +89,32 @@ def test_sliced_shards_equal_full_model_shards_tp2_pp2(checkpoints, name):
     assert_same_shards(ModelConfig(name, zoo.load_causal_lm, {"path": checkpoints[name]}), 2, 2)
 
 
+@pytest.mark.parametrize("plan", ["no_coalescing_tiny_requests", "one_thread_one_request_per_segment"])
+def test_the_read_plan_never_changes_the_bytes(checkpoints, monkeypatch, plan):
+    """However the reads are cut (every run its own request, a dim-1 slice read row by row because
+    the gaps exceed the discard buffer, requests split mid-tensor, several threads; or one thread with
+    everything coalesced), each rank holds the full path's bytes, and every segment is reported once."""
+    if plan == "no_coalescing_tiny_requests":
+        monkeypatch.setattr(ck, "GAP_BYTES", 0)
+        monkeypatch.setattr(ck, "REQUEST_BYTES", 4096)
+        monkeypatch.setattr(ck, "READ_THREADS", 3)
+        monkeypatch.setattr(ck, "AHEAD_BYTES", 0)
+    else:
+        monkeypatch.setattr(ck, "GAP_BYTES", 64 << 20)
+        monkeypatch.setattr(ck, "REQUEST_BYTES", 64 << 20)
+        monkeypatch.setattr(ck, "READ_THREADS", 1)
+    seen = []
+    real = ck.read_segments
+
+    def spy(*args, **kw):
+        kw["on_segment"] = seen.append
+        return real(*args, **kw)
+    monkeypatch.setattr(ck, "read_segments", spy)
+    assert_same_shards(ModelConfig("o", zoo.load_causal_lm, {"path": checkpoints["opt1"]}), 2, 1)
+    assert_same_shards(ModelConfig("h", zoo.load_causal_lm, {"path": checkpoints["opt1"], "dtype": "float16"}), 2, 1)
+    assert seen and all(seen.count(i) == seen.count(0) for i in set(seen)), seen
+
+
 def test_sliced_shards_convert_dtype_and_serve_encoders(checkpoints, tmp_path):
     mc = ModelConfig("h", zoo.load_causal_lm, {"path": checkpoints["opt1"], "dtype": "float16"})
     assert_same_shards(mc, 2, 1)
