@@ -84,7 +84,9 @@ if __name__ == "__main__":
     try:
         LaunchEngine(EngineConfig(start_timeout_s=60), [ModelConfig("bad", failing_model_fn)], 2, 1)
     except LaunchError as exc:
-        print("LAUNCH ERROR", "model_fn exploded on purpose" in str(exc), flush=True)
+        # one write: both ranks share the pipe, and print's separate writes can interleave
+        sys.stdout.write(f"LAUNCH ERROR {'model_fn exploded on purpose' in str(exc)}\\n")
+        sys.stdout.flush()
 """
 
 
