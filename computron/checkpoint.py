@@ -52,7 +52,8 @@ AHEAD_BYTES = 64 << 20
 """How far ahead of the requests being read the kernel is asked to read."""
 ADVICE_BYTES = 16 << 20
 """The piece of file one read-ahead advice covers."""
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
+"""Buffers one ``preadv`` takes."""
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
