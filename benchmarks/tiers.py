@@ -116,6 +116,17 @@ def raw_read_gbps(files) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+def run_threads(fn, k: int) -> float:
+    """Seconds for ``fn(0)``, ..., ``fn(k - 1)`` run on ``k`` threads at once."""
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(k)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def raw_read_parallel_gbps(files, streams: int) -> float:
     """The same raw read with ``streams`` threads at once, each reading its own files (the ranks of a
     machine read concurrently: a single sequential stream leaves a virtual or NVMe disk's queue short)."""
@@ -131,13 +142,8 @@ def raw_read_parallel_gbps(files, streams: int) -> float:
                     if not n:
                         break
                     total[i] += n
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return sum(total) / (time.perf_counter() - t0) / 1e9
+    dt = run_threads(one, streams)
+    return sum(total) / dt / 1e9
 
 
 def raw_read_file_gbps(path_files, streams: int) -> float:
@@ -163,23 +169,18 @@ def raw_read_file_gbps(path_files, streams: int) -> float:
                         total[i] += n
                 finally:
                     os.close(fd)
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(k)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = max(best, sum(total) / (time.perf_counter() - t0) / 1e9)
+        dt = run_threads(one, k)
+        best = max(best, sum(total) / dt / 1e9)
     drop_cache(path_files)
     return best
 
 
 def reader_only(paths, n: int = 4):
     """Our checkpoint reader alone (no engine, no overlapping copy), one whole model per read (TP=1:
-    every tensor one contiguous pread), paired with the raw read of the same files just before it.
+    every tensor a contiguous run), paired with the raw read of the same files just before it.
     Returns (median GB/s, median ratio to the paired raw read)."""
     from computron import checkpoint as ck
-    from computron.checkpoint import read_segments
+    from computron.slice_reads import read_segments
     from computron.models import StageContext, make_runner
     from computron.store import ShardStore
     from computron.topology import Layout

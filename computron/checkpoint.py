@@ -8,9 +8,8 @@ it to this rank's pipeline stage and applies its DTensor TP plan, both of which
 work on meta tensors. ``CheckpointSource`` maps every tensor this rank keeps to
 the checkpoint entry it comes from (tied weights through the object they share)
 and, for a DTensor, to its slice (``compute_local_shape_and_global_offset``, so
-any 1-D plan works), and reads those bytes with ``os.preadv`` straight into the
-store's host buffer (``read_segments``: sorted by file offset, coalesced into
-large scattered requests, several in flight), never the whole file.
+any 1-D plan works); ``slice_reads.read_segments`` reads those bytes with
+``os.preadv`` straight into the store's host buffer, never the whole file.
 
 A model is read this way when its ``ModelConfig.checkpoint`` names a directory, or
 its ``model_fn`` is ``zoo.load_causal_lm`` / ``zoo_understanding.load_encoder``
@@ -26,8 +25,6 @@ import json
 import logging
 import os
 import struct
-import threading
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -38,23 +35,6 @@ log = logging.getLogger("computron.checkpoint")
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-CHUNK_BYTES = 64 << 20
-"""The scratch buffer of a read that converts dtypes."""
-REQUEST_BYTES = 8 << 20
-"""Largest single ``preadv`` (a larger tensor is read by several threads at once)."""
-GAP_BYTES = 256 << 10
-"""Runs of one file closer than this are read as one request, the bytes between them into a discard
-buffer: small tensors side by side, and a dim-1 slice's rows (the disk reads the rows around them
-anyway, and the machine's other TP ranks find them in the page cache); farther ones are skipped."""
-READ_THREADS = 2
-"""Requests in flight per read."""
-AHEAD_BYTES = 64 << 20
-"""How far ahead of the requests being read the kernel is asked to read."""
-ADVICE_BYTES = 16 << 20
-"""The piece of file one read-ahead advice covers."""
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
-"""Buffers one ``preadv`` takes."""
-
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
@@ -355,8 +335,8 @@ class CheckpointSource:
     def plan(self, slots) -> List[Tuple["object", Read]]:
         return [(s, self.reads[id(s.tensor)]) for s in slots]
 
-    # ---- the reading itself ------------------------------------------------
-    def open(self) -> "_Reader":
+    # ---- the reading itself (``slice_reads``) -----------------------------
+    def open(self):
         """Re-read the headers (a file may have been rewritten since start-up) and check every file
         is long enough: a missing or truncated file fails here, naming the model and the file."""
         entries = {}
@@ -370,301 +350,9 @@ class CheckpointSource:
             if have < need:
                 raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} is truncated "
                                       f"({have} bytes, its header needs {need})")
-        return _Reader(self.model_id, entries)
-
-
-class _Reader:
-    """Open files and the freshly read headers of one read; thread-safe (``os.preadv`` on shared fds)."""
-
-    def __init__(self, model_id: str, entries: Dict[str, Entry]):
-        self.model_id = model_id
-        self.entries = entries
-        self.fds: Dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._local = threading.local()  # the scratch buffer of converting reads, one per thread
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _fd(self, file: str) -> int:
-        with self._lock:
-            fd = self.fds.get(file)
-            if fd is None:
-                try:
-                    fd = os.open(file, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} does not exist") from None
-                self.fds[file] = fd
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead window
-            return fd
-
-    def will_need(self, file: str, begin: int, end: int) -> None:
-        """Ask the kernel to start reading ``[begin, end)`` in the background (read-ahead of what the
-        next requests read while these are copied out)."""
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(self._fd(file), begin, end - begin, os.POSIX_FADV_WILLNEED)
-            except OSError:  # advice only
-                pass
-
-    def preadv(self, file: str, bufs: List[memoryview], offset: int) -> None:
-        """Fill ``bufs`` in order with the file's bytes from ``offset``, through short reads."""
-        fd = self._fd(file)
-        while bufs:
-            got = os.preadv(fd, bufs, offset)
-            if got <= 0:
-                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} is truncated "
-                                      f"(no bytes at offset {offset})")
-            offset += got
-            while bufs and got >= len(bufs[0]):
-                got -= len(bufs[0])
-                bufs = bufs[1:]
-            if got:
-                bufs = [bufs[0][got:]] + bufs[1:]
-
-    def _scratch(self, nbytes: int) -> torch.Tensor:
-        buf = getattr(self._local, "scratch", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._local.scratch = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
-        return buf[:nbytes]
-
-    def _runs(self, r: Read, name: str) -> Tuple[Entry, int, int, int, int]:
-        """The entry of ``r.key`` and where this rank's slice lies in its file, in the order of its
-        elements: ``count`` runs of ``run`` bytes, the k-th at ``first + k * row`` (one run for a
-        contiguous slice, one per row of a dim-1 slice)."""
-        e = self.entries.get(r.key)
-        if e is None:
-            raise CheckpointError(f"model {self.model_id!r}: the checkpoint no longer holds {r.key!r}")
-        full, item = e.shape, e.dtype.itemsize
-        # the one dimension d this rank's slice is partial in (a 1-D mesh shards one dimension)
-        partial = [d for d in range(len(full)) if r.shape[d] != full[d]]
-        if len(partial) > 1:
-            raise CheckpointError(f"model {self.model_id!r}: {name} is split along several dimensions")
-        if not partial:
-            return e, e.begin, e.end - e.begin, e.end - e.begin, 1
-        d = partial[0]
-        outer = int(torch.Size(full[:d]).numel())
-        along, inner = full[d], int(torch.Size(full[d + 1:]).numel())
-        run = r.shape[d] * inner * item
-        return e, e.begin + r.offsets[d] * inner * item, run, along * inner * item, outer
-
-    def plan(self, r: Read, dest: torch.Tensor, name: str):
-        """``(contiguous runs, row tasks)`` that read this rank's slice of ``r.key`` into ``dest``: runs
-        ``(file, begin, end, bytes of dest)`` for ``_coalesce``, ``_Rows`` for a dim-1 slice; None when the
-        checkpoint's dtype differs from ``dest``'s (``read_converting`` reads it)."""
-        e, first, run, row, count = self._runs(r, name)
-        if e.dtype != dest.dtype:
-            return None
-        mv = memoryview(dest.view(-1).view(torch.uint8).numpy())
-        if run * count != len(mv):
-            raise CheckpointError(f"model {self.model_id!r}: {name} needs {len(mv)} bytes, its checkpoint "
-                                  f"slice {r.key!r} has {run * count}")
-        if count == 1 or row == run:
-            return [(e.file, first, first + run * count, mv)], []
-        per = max(1, REQUEST_BYTES // row)
-        return [], [_Rows(e.file, first + k * row, run, row, min(per, count - k), mv[k * run:(k + per) * run])
-                    for k in range(0, count, per)]
-
-    def read_rows(self, t: "_Rows", discard: memoryview) -> None:
-        """A dim-1 slice's rows: the bytes between them go to ``discard`` when they are few (one large
-        scattered read), else each row is read on its own."""
-        gap = t.row - t.run
-        if gap > len(discard):
-            for k in range(t.count):
-                self.preadv(t.file, [t.dest[k * t.run:(k + 1) * t.run]], t.begin + k * t.row)
-            return
-        per = (_IOV_MAX + 1) // 2
-        for k0 in range(0, t.count, per):
-            k1 = min(t.count, k0 + per)
-            bufs = []
-            for k in range(k0, k1):
-                bufs.append(t.dest[k * t.run:(k + 1) * t.run])
-                if k + 1 < k1:
-                    bufs.append(discard[:gap])
-            self.preadv(t.file, bufs, t.begin + k0 * t.row)
-
-    def read_converting(self, r: Read, dest: torch.Tensor, name: str) -> None:
-        """Fill ``dest`` with this rank's slice of ``r.key`` stored in another dtype: through a scratch
-        buffer of at most ``CHUNK_BYTES``, converted by ``copy_``."""
-        e, first, run, row, count = self._runs(r, name)
-        item, at = e.dtype.itemsize, 0
-        step = max(item, CHUNK_BYTES // item * item)
-        for k in range(count):
-            for a in range(0, run, step):
-                n = min(step, run - a)
-                buf = self._scratch(n)
-                self.preadv(e.file, [memoryview(buf.numpy())], first + k * row + a)
-                dest[at:at + n // item].copy_(buf.view(e.dtype))
-                at += n // item
-
-
-@dataclass
-class _Rows:
-    """``count`` rows of a dim-1 slice: ``run`` bytes each, ``row`` bytes apart from ``begin``, into ``dest``."""
-    file: str
-    begin: int
-    run: int
-    row: int
-    count: int
-    dest: memoryview
-
-    @property
-    def end(self) -> int:
-        return self.begin + (self.count - 1) * self.row + self.run
-
-
-@dataclass
-class _Request:
-    """One ``preadv``: consecutive bytes of one file, scattered over ``bufs`` (slices of the host buffer,
-    and a discard buffer for the gaps between them)."""
-    file: str
-    begin: int
-    end: int
-    bufs: List[memoryview]
-
-
-def _coalesce(runs, discard: memoryview) -> List[_Request]:
-    """Sort one segment's runs by file offset and merge neighbours less than ``GAP_BYTES`` apart into
-    requests of at most ``REQUEST_BYTES`` (the rows of a dim-1 slice become one request; the other
-    ranks' halves of a dim-0 slice are skipped); a run longer than that is split."""
-    out: List[_Request] = []
-    cur: Optional[_Request] = None
-    for file, a, b, mv in sorted(runs, key=lambda x: (x[0], x[1])):
-        while a < b:
-            n = min(b - a, REQUEST_BYTES)
-            gap = a - cur.end if cur is not None and cur.file == file else -1
-            if 0 <= gap <= GAP_BYTES and n + gap + cur.end - cur.begin <= REQUEST_BYTES \
-                    and len(cur.bufs) < _IOV_MAX - 1:
-                if gap:
-                    cur.bufs.append(discard[:gap])
-                cur.bufs.append(mv[:n])
-                cur.end = a + n
-            else:
-                cur = _Request(file, a, a + n, [mv[:n]])
-                out.append(cur)
-            a, mv = a + n, mv[n:]
-    return out
-
-
-def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch.Tensor],
-                  n_segments: int = 0, on_segment=None, threads: Optional[int] = None) -> Tuple[float, int]:
-    """Read every slot into ``host``, calling ``on_segment(i)`` as each segment ``i`` is complete
-    (once each, in the order they complete). Returns (seconds, bytes of the slices read).
-
-    The reads of each segment are coalesced into large scattered ``preadv`` requests, and all are
-    issued in file order (not segment order: a checkpoint stores layers 1, 10, 11, ..., 2 by name,
-    and jumping about defeats the disk's and the kernel's read-ahead) by ``threads`` threads
-    (``READ_THREADS``; a virtual or NVMe disk needs several requests in flight), the kernel told
-    (``POSIX_FADV_WILLNEED``) about the next ``AHEAD_BYTES`` before they are asked for."""
-    t0 = time.perf_counter()
-    plan = source.plan(slots)
-    n_segments = max(n_segments, max((s.segment for s, _ in plan), default=-1) + 1)
-    with source.open() as reader:
-        discard = memoryview(bytearray(GAP_BYTES))
-        runs: Dict[int, list] = {}
-        by_segment: Dict[int, list] = {}  # _Request, _Rows, or (Read, dest, name) for a converting read
-        nbytes = 0
-        for s, r in plan:
-            dest = host[s.dtype][s.offset:s.offset + s.numel]
-            nbytes += dest.numel() * dest.element_size()
-            if r.key is None:
-                dest.copy_(r.value.reshape(-1))
-                continue
-            planned = reader.plan(r, dest, s.name)
-            if planned is None:
-                by_segment.setdefault(s.segment, []).append((r, dest, s.name))
-            else:
-                runs.setdefault(s.segment, []).extend(planned[0])
-                by_segment.setdefault(s.segment, []).extend(planned[1])
-        for seg, rs in runs.items():
-            by_segment[seg].extend(_coalesce(rs, discard))
-        tasks = sorted(((seg, t) for seg, ts in by_segment.items() for t in ts),
-                       key=lambda x: (getattr(x[1], "file", ""), getattr(x[1], "begin", 0)))
-        _run_tasks(reader, tasks, n_segments, on_segment, max(1, threads or READ_THREADS), discard)
-    dt = time.perf_counter() - t0
-    source.last_read_s, source.last_read_bytes = dt, nbytes
-    return dt, nbytes
-
-
-def _run_tasks(reader: _Reader, tasks, n_segments: int, on_segment, threads: int, discard: memoryview) -> None:
-    """Execute ``(segment, task)`` in order on ``threads`` threads (this one among them), advising the
-    kernel ahead, calling ``on_segment`` as segments complete; raises the first error."""
-    left = [0] * n_segments
-    for seg, _ in tasks:
-        left[seg] += 1
-    # read-ahead advice: the tasks' file ranges, bridged over gaps of up to AHEAD_BYTES (the other TP
-    # ranks' parts of a tensor are read too: they are about to ask for them), in pieces of
-    # ADVICE_BYTES, each due when the reads come within AHEAD_BYTES of it
-    spans: List[list] = []  # [bytes of the tasks before it, file, begin, end]
-    before, at = [], 0
-    for _, t in tasks:
-        before.append(at)
-        if isinstance(t, (_Request, _Rows)):
-            last = spans[-1] if spans else None
-            if last is not None and last[1] == t.file and 0 <= t.begin - last[3] <= AHEAD_BYTES:
-                last[3] = max(last[3], t.end)
-            else:
-                spans.append([at, t.file, t.begin, t.end])
-            at += t.end - t.begin
-    spans = [[pos + a - begin, file, a, min(end, a + ADVICE_BYTES)]
-             for pos, file, begin, end in spans for a in range(begin, end, ADVICE_BYTES)]
-    lock = threading.Lock()
-    state = {"next": 0, "advised": 0}
-    error: List[BaseException] = []
-    if on_segment is not None:
-        for seg in range(n_segments):
-            if not left[seg]:
-                on_segment(seg)
-
-    def work():
-        while True:
-            with lock:
-                i = state["next"]
-                if error or i >= len(tasks):
-                    return
-                state["next"] = i + 1
-                k = state["advised"]
-                while state["advised"] < len(spans) and spans[state["advised"]][0] <= before[i] + AHEAD_BYTES:
-                    state["advised"] += 1
-                advise = spans[k:state["advised"]]
-            seg, t = tasks[i]
-            try:
-                for _, file, a, b in advise:
-                    reader.will_need(file, a, b)
-                if isinstance(t, _Request):
-                    reader.preadv(t.file, list(t.bufs), t.begin)
-                elif isinstance(t, _Rows):
-                    reader.read_rows(t, discard)
-                else:
-                    reader.read_converting(*t)
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller
-                with lock:
-                    error.append(exc)
-                return
-            with lock:
-                left[seg] -= 1
-                if not left[seg] and on_segment is not None:
-                    on_segment(seg)
-
-    pool = [threading.Thread(target=work, name=f"computron-read-{j}", daemon=True)
-            for j in range(min(threads, len(tasks)) - 1)]
-    for th in pool:
-        th.start()
-    work()
-    for th in pool:
-        th.join()
-    if error:
-        raise error[0]
+        from .slice_reads import Reader
+        return Reader(self.model_id, entries)
 
 
 __all__ = ["CheckpointError", "CheckpointSource", "Unsupported", "checkpoint_of", "meta_model", "read_header",
-           "read_entries", "weight_files", "params_on_meta", "materialize", "read_segments"]
+           "read_entries", "weight_files", "params_on_meta", "materialize"]

@@ -351,7 +351,7 @@ class ShardStore(_StoreBase):
 
     def read_host(self) -> Tuple[float, int]:
         """Read the shard from the checkpoint into host memory now (start-up); (seconds, bytes)."""
-        from .checkpoint import read_segments
+        from .slice_reads import read_segments
         host = self._alloc_host()
         try:
             dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments)
@@ -405,7 +405,7 @@ class ShardStore(_StoreBase):
         """Read the shard from disk on a thread of its own; returns (thread, ``next_segment``), which
         gives the segments in the order they arrive (the copy of each waits only for it: read-ahead
         overlapping the copy) and raises the read's error."""
-        from .checkpoint import read_segments
+        from .slice_reads import read_segments
         arrived: "queue.Queue" = queue.Queue()
         state = {"error": None}
         host = self._alloc_host()

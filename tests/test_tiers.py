@@ -21,6 +21,7 @@ from helpers import greedy_reference
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, zoo
 from computron import checkpoint as ck
+from computron import slice_reads
 from computron import messages as msg
 from computron.models import StageContext, make_runner
 from computron.store import HostPool, ShardStore
@@ -95,21 +96,21 @@ def test_the_read_plan_never_changes_the_bytes(checkpoints, monkeypatch, plan):
     the gaps exceed the discard buffer, requests split mid-tensor, several threads; or one thread with
     everything coalesced), each rank holds the full path's bytes, and every segment is reported once."""
     if plan == "no_coalescing_tiny_requests":
-        monkeypatch.setattr(ck, "GAP_BYTES", 0)
-        monkeypatch.setattr(ck, "REQUEST_BYTES", 4096)
-        monkeypatch.setattr(ck, "READ_THREADS", 3)
-        monkeypatch.setattr(ck, "AHEAD_BYTES", 0)
+        monkeypatch.setattr(slice_reads, "GAP_BYTES", 0)
+        monkeypatch.setattr(slice_reads, "REQUEST_BYTES", 4096)
+        monkeypatch.setattr(slice_reads, "READ_THREADS", 3)
+        monkeypatch.setattr(slice_reads, "AHEAD_BYTES", 0)
     else:
-        monkeypatch.setattr(ck, "GAP_BYTES", 64 << 20)
-        monkeypatch.setattr(ck, "REQUEST_BYTES", 64 << 20)
-        monkeypatch.setattr(ck, "READ_THREADS", 1)
+        monkeypatch.setattr(slice_reads, "GAP_BYTES", 64 << 20)
+        monkeypatch.setattr(slice_reads, "REQUEST_BYTES", 64 << 20)
+        monkeypatch.setattr(slice_reads, "READ_THREADS", 1)
     seen = []
-    real = ck.read_segments
+    real = slice_reads.read_segments
 
     def spy(*args, **kw):
         kw["on_segment"] = seen.append
         return real(*args, **kw)
-    monkeypatch.setattr(ck, "read_segments", spy)
+    monkeypatch.setattr(slice_reads, "read_segments", spy)
     assert_same_shards(ModelConfig("o", zoo.load_causal_lm, {"path": checkpoints["opt1"]}), 2, 1)
     assert_same_shards(ModelConfig("h", zoo.load_causal_lm, {"path": checkpoints["opt1"], "dtype": "float16"}), 2, 1)
     assert seen and all(seen.count(i) == seen.count(0) for i in set(seen)), seen
