@@ -164,6 +164,80 @@ def _threads_per_worker(config: EngineConfig, local_world: int) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // local_world)  # leave a core to the master
 
 
+class _ReplyRouter:
+    """Where the master channel's replies go, before and after the engine exists.
+
+    In attach mode the channel starts before rank 0 has built its shards, so the other ranks' ready
+    messages, and then their heartbeats, can arrive before there is an engine: start-up messages
+    are collected here, anything else is held and handed to the engine, in order, by ``attach``.
+    A failure while handling a reply kills the engine naming that failure (never a healthy rank),
+    and the receiver thread goes on (it still has the workers' goodbyes to collect).
+    """
+
+    def __init__(self, expected_ready: int, exit_cause=lambda: None):
+        self.expected_ready = expected_ready
+        self.ready: List[msg.WorkerReady] = []
+        self.failed: List[msg.WorkerStartFailed] = []
+        self.started = threading.Event()
+        if expected_ready == 0:
+            self.started.set()
+        self._exit_cause = exit_cause
+        self._engine: Optional[Engine] = None
+        self._held: list = []
+        self._lock = threading.Lock()
+
+    def channel(self, groups: Groups) -> MasterChannel:
+        return MasterChannel(groups, on_reply=self.route, on_transport_error=self.transport_error,
+                             on_handler_error=self.handler_error)
+
+    def missing(self) -> int:
+        return self.expected_ready - len(self.ready) - len(self.failed)
+
+    def route(self, reply) -> None:
+        if isinstance(reply, (msg.WorkerReady, msg.WorkerStartFailed)):
+            (self.ready if isinstance(reply, msg.WorkerReady) else self.failed).append(reply)
+            if self.missing() <= 0:
+                self.started.set()
+            return
+        engine = self._engine
+        if engine is None:
+            with self._lock:
+                engine = self._engine
+                if engine is None:
+                    self._held.append(reply)
+                    return
+        engine.on_reply(reply)
+
+    def attach(self, engine: Engine) -> None:
+        """Hand over what arrived before the engine existed; from now on replies go straight to it."""
+        with self._lock:
+            if self._held:
+                log.debug("handing %d replies that arrived during start-up to the engine", len(self._held))
+            for reply in self._held:
+                engine.on_reply(reply)
+            self._held.clear()
+            self._engine = engine
+
+    def transport_error(self, exc: BaseException) -> None:
+        engine = self._engine
+        if engine is not None:
+            engine.on_transport_error(exc, cause=self._exit_cause())
+        else:
+            self.failed.append(msg.WorkerStartFailed(-1, f"control plane failed: {type(exc).__name__}: {exc}"))
+            self.started.set()
+
+    def handler_error(self, exc: BaseException, reply) -> None:
+        log.error("the master failed handling %s", type(reply).__name__,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        engine = self._engine
+        if engine is not None:
+            engine.on_internal_error(exc, reply)
+        else:
+            self.failed.append(msg.WorkerStartFailed(
+                -1, f"the master failed handling {type(reply).__name__}: {type(exc).__name__}: {exc}"))
+            self.started.set()
+
+
 # ---- spawn mode ---------------------------------------------------------------
 
 def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
@@ -308,12 +382,8 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             dist.destroy_process_group()
         raise
 
-    engine_box = {}
-    def transport_error(exc):
-        engine_box["e"].on_transport_error(exc, cause=workers.exited(wait_s=5))
-
-    channel = MasterChannel(init["groups"], on_reply=lambda r: engine_box["e"].on_reply(r),
-                            on_transport_error=transport_error)
+    router = _ReplyRouter(expected_ready=0, exit_cause=lambda: workers.exited(wait_s=5))
+    channel = router.channel(init["groups"])
 
     def on_close(dead: bool):
         if dead:
@@ -334,7 +404,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             _destroy_in_background(1.0 if dead else max(0.1, deadline - time.monotonic()))
 
     engine = Engine(config, configs, layout, channel, ready, on_close=on_close)
-    engine_box["e"] = engine
+    router.attach(engine)
     channel.start()
     workers.monitor(engine.on_worker_exit)
     _install_exit_hooks(engine)
@@ -442,29 +512,8 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
             raise LaunchError(f"rank {rank} failed to start:\n{failure}")
         return None
 
-    startup = {"ready": [], "failed": []}
-    started = threading.Event()
-    engine_box = {}
-
-    def route(reply):
-        if isinstance(reply, msg.WorkerReady):
-            startup["ready"].append(reply)
-        elif isinstance(reply, msg.WorkerStartFailed):
-            startup["failed"].append(reply)
-        else:
-            engine_box["e"].on_reply(reply)
-            return
-        if len(startup["ready"]) + len(startup["failed"]) == layout.n_workers - 1:
-            started.set()
-
-    def transport_error(exc):
-        if "e" in engine_box:
-            engine_box["e"].on_transport_error(exc)
-        else:
-            startup["failed"].append(msg.WorkerStartFailed(-1, f"control plane failed: {exc}"))
-            started.set()
-
-    channel = MasterChannel(groups, on_reply=route, on_transport_error=transport_error)
+    router = _ReplyRouter(expected_ready=layout.n_workers - 1)
+    channel = router.channel(groups)
     channel.start()
     worker = Worker(0, groups, WorkerChannel(groups, master=channel), configs, config, device)
     own_error = None
@@ -476,13 +525,13 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     serve_thread.start()
     problems = [f"rank 0:\n{own_error}"] if own_error else []
     # Without rank 0's shard the others may be stuck in a collective of their own build: don't wait for them.
-    if not own_error and layout.n_workers > 1 and not started.wait(config.start_timeout_s):
-        problems.append(f"{layout.n_workers - 1 - len(startup['ready']) - len(startup['failed'])} worker(s) "
-                        f"did not report ready within {config.start_timeout_s}s (EngineConfig.start_timeout_s)")
-    problems += [f"rank {f.rank}:\n{f.error}" for f in startup["failed"]]
+    if not own_error and not router.started.wait(config.start_timeout_s):
+        problems.append(f"{router.missing()} worker(s) did not report ready within {config.start_timeout_s}s "
+                        "(EngineConfig.start_timeout_s)")
+    problems += [f"rank {f.rank}:\n{f.error}" for f in router.failed]
     if not problems:
         try:
-            _check_memory(config, [worker.ready_message()] + startup["ready"])
+            _check_memory(config, [worker.ready_message()] + router.ready)
         except LaunchError as exc:
             problems.append(str(exc))
     if problems:
@@ -499,8 +548,8 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
         if clean:
             dist.destroy_process_group()
 
-    engine = Engine(config, configs, layout, channel, [worker.ready_message()] + startup["ready"],
+    engine = Engine(config, configs, layout, channel, [worker.ready_message()] + router.ready,
                     on_close=on_close)
-    engine_box["e"] = engine
+    router.attach(engine)
     _install_exit_hooks(engine)
     return engine

@@ -59,11 +59,13 @@ class MasterChannel:
     """Master side: ``send(cmd)`` never blocks the caller; replies go to ``on_reply``."""
 
     def __init__(self, groups: Groups, on_reply: Callable[[Any], None],
-                 on_transport_error: Callable[[BaseException], None]):
+                 on_transport_error: Callable[[BaseException], None],
+                 on_handler_error: Callable[[BaseException, Any], None]):
         self.groups = groups
         self.layout = groups.layout
         self._on_reply = on_reply
         self._on_error = on_transport_error
+        self._on_handler_error = on_handler_error
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self.local_worker_inbox: Optional["queue.Queue[Any]"] = (
             queue.Queue() if self.layout.master_is_worker else None)
@@ -82,7 +84,14 @@ class MasterChannel:
 
     def deliver_local(self, reply: Any) -> None:
         """Used by the co-located worker in attach mode."""
-        self._on_reply(reply)
+        self._handle(reply)
+
+    def _handle(self, reply: Any) -> None:
+        """Hand one reply over; a failure in the handler is reported, never raised into this thread."""
+        try:
+            self._on_reply(reply)
+        except Exception as exc:  # noqa: BLE001 - the receiver must outlive a bug in a handler
+            self._on_handler_error(exc, reply)
 
     def _send_loop(self) -> None:
         while True:
@@ -95,7 +104,7 @@ class MasterChannel:
                     dist.broadcast(frame, src=self.layout.master_rank, group=self.groups.cmd)
                     if rest is not None:
                         dist.broadcast(rest, src=self.layout.master_rank, group=self.groups.cmd)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a broken transport: the engine decides what it means
                 if not self._closed.is_set():
                     self._on_error(exc)
                 return
@@ -114,14 +123,14 @@ class MasterChannel:
                     rest = torch.empty(extra, dtype=torch.uint8)
                     dist.recv(rest, src=src, group=self.groups.res)
                 reply = _decode(frame, rest)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a broken transport: the engine decides what it means
                 if not self._closed.is_set():
                     self._on_error(exc)
                 return
             if isinstance(reply, Bye):
                 byes += 1
                 continue
-            self._on_reply(reply)
+            self._handle(reply)
 
     def close(self, timeout: float) -> bool:
         """Wait for the queued commands (a Shutdown last) to go out and every worker's Bye.

@@ -169,7 +169,9 @@ class Worker:
                     self.channel.reply(msg.Heartbeat(rank=self.rank, sent=time.time(),
                                                      busy_seq=busy[0] if busy else None,
                                                      busy_s=now - busy[1] if busy else 0.0))
-                except Exception:  # noqa: BLE001 - the master is gone; the parent watch ends us
+                except Exception as exc:  # noqa: BLE001 - said out loud: a silent stop looks like a hang
+                    log.warning("rank %d: heartbeats stop: %s: %s (the master is gone, or the control "
+                                "plane broke)", self.rank, type(exc).__name__, exc)
                     return
         self._heartbeat = threading.Thread(target=beat, name=f"computron-heartbeat-{self.rank}", daemon=True)
         self._heartbeat.start()

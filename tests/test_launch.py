@@ -100,3 +100,19 @@ def test_attach_mode_start_failure_reaches_every_rank(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("LAUNCH ERROR True") == 2, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("last", [0, 1], ids=["rank0-built-last", "rank1-built-last"])
+def test_attach_mode_start_up_order_does_not_matter(tmp_path, last):
+    """Heartbeats that reach rank 0's master before its engine exists are handed over, not lost."""
+    fifo = tmp_path / "handoff"
+    os.mkfifo(fifo)
+    env = _env()
+    env.update(LAST=str(last), HANDOFF=str(fifo))
+    env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_free_port()), os.path.join(ROOT, "tests", "attach_race.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ATTACH RACE OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "KeyError" not in proc.stderr and "engine is dead" not in proc.stderr, proc.stderr
