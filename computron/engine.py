@@ -711,6 +711,11 @@ class Engine:
         prefix = f"{cause}; " if cause else ""
         self._die(f"{prefix}lost contact with the workers: {type(exc).__name__}: {exc}")
 
+    def on_internal_error(self, exc: BaseException, reply: Any) -> None:
+        """A bug in the master's handling of a reply: the engine cannot trust its state any more."""
+        self._die(f"internal error in the master handling {type(reply).__name__} from rank "
+                  f"{getattr(reply, 'rank', '?')}: {type(exc).__name__}: {exc}")
+
     def on_worker_exit(self, rank: int, exitcode: Optional[int]) -> None:
         if not self._closed.is_set():
             self._die(f"worker rank {rank} exited unexpectedly (exit code {exitcode})")
