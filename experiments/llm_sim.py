@@ -22,12 +22,18 @@ answer's generation time for that mode to sustain any rate at all); ``sustainabl
 the best token-level mode's over ``request``'s. Plots (``--plot-dir``): TTFT CDFs per configuration and
 p99 TTFT against the rate scale, one line per mode.
 
-    .venv/bin/python experiments/llm_sim.py --configs 0,1,4 --bisect 1 --out experiments/data/cpu/llm_sim.json
+Output: ``results/llm_sim/llm_sim_<model>.json`` and the PNGs in ``results/llm_sim/`` (git-ignored), unless
+``--out`` / ``--plot-dir`` say otherwise; the tracked ``experiments/data`` and ``experiments/figures`` need
+``--publish``. A trace that draws no request is refused (exit 2) before any engine starts. A quick run
+(85 s on 2 CPU cores; ``experiments/README.md`` has the others):
+
+    .venv/bin/python experiments/llm_sim.py --configs 1 --duration 20 --rate-scale 0.2 --modes request,deadline,peer
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -41,7 +47,7 @@ MODES = ("paper", "request", "rtc", "quantum", "deadline", "peer")
 TOKEN_MODES = ("rtc", "quantum", "deadline")
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="opt-125m")
     p.add_argument("--configs", default="0,1,4", help="indices of workload.CONFIGS ('' for a bisection alone)")
@@ -61,9 +67,63 @@ def parse_args(argv=None):
     p.add_argument("--bisect-steps", type=int, default=4)
     p.add_argument("--bisect-duration", type=float, default=20.0)
     p.add_argument("--bisect-hi", type=float, default=0.4, help="upper end of the rate-scale search")
-    p.add_argument("--out", default=None)
-    p.add_argument("--plot-dir", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="JSON file to write (default: results/llm_sim/llm_sim_<model>.json)")
+    p.add_argument("--plot-dir", default=workload.results_path("llm_sim"), help="where the PNGs go")
+    workload.add_publish_arg(p)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Turn the comma-separated options into lists, or refuse them (exit 2) before anything runs."""
+    given, args.modes = args.modes, [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        p.error(f"--modes {given!r}: a comma-separated list of {MODES}")
+    try:
+        args.configs = [int(c) for c in args.configs.split(",") if c.strip()]
+        args.max_loaded = [int(x) for x in args.max_loaded.split(",")]
+    except ValueError as exc:
+        p.error(f"--configs and --max-loaded take comma-separated integers ({exc})")
+    for c in args.configs + ([args.bisect] if args.bisect is not None else []):
+        if not 0 <= c < len(workload.CONFIGS):
+            p.error(f"configuration {c}: must be in 0..{len(workload.CONFIGS) - 1}")
+    if not groups(args) and args.bisect is None:
+        p.error("nothing to run: give --configs with a --max-loaded below their model count, or --bisect")
+    args.out = args.out or workload.results_path("llm_sim", f"llm_sim_{args.model}.json")
+    workload.check_outputs(p, args.publish, args.out, args.plot_dir)
+
+
+def groups(args) -> list:
+    """(model count, max_loaded) of each engine the configuration runs need (swap-bound ones only)."""
+    return sorted({(workload.CONFIGS[c].n_models, ml) for c in args.configs for ml in args.max_loaded
+                   if ml < workload.CONFIGS[c].n_models})
+
+
+def trace_for(c: int, scale: float, duration: float, args) -> list:
+    """The seeded arrivals ``(time, model)`` of configuration ``c`` with its rates times ``scale``."""
+    cfg = workload.CONFIGS[c]
+    return workload.make_trace([r * scale for r in cfg.rates], cfg.cv, duration, args.seed,
+                               [f"m{i}" for i in range(cfg.n_models)])
+
+
+def requests_for(c: int, scale: float, duration: float, args) -> list:
+    """LLM-like requests on ``trace_for``'s arrivals."""
+    return workload.llm_requests(trace_for(c, scale, duration, args), args.model, args.seed + 1, args.mean_tokens,
+                                 args.max_tokens_cap)
+
+
+def refuse_empty_traces(p: argparse.ArgumentParser, args) -> None:
+    """Exit 2, before any engine starts (or torch is imported), if a trace to run draws no request: each
+    configuration's, and the bisection's first probe (half ``--bisect-hi``; if it draws none, so does every
+    lower probe, which is where the search would go)."""
+    runs = [(c, args.rate_scale, args.duration, f"configuration {c}", ("--duration", "--rate-scale"))
+            for c in args.configs]
+    if args.bisect is not None:
+        scale = args.bisect_hi / 2
+        runs.append((args.bisect, scale, args.bisect_duration, f"--bisect {args.bisect}'s first probe "
+                     f"(rate scale {scale:g})", ("--bisect-duration", "--bisect-hi")))
+    for c, scale, duration, label, knobs in runs:
+        workload.check_trace(p, trace_for(c, scale, duration, args), label,
+                             [r * scale for r in workload.CONFIGS[c].rates], duration, knobs)
 
 
 # ---- the peer: one resident module, load_state_dict on a miss ----------------------------------
@@ -181,14 +241,12 @@ def close(engine) -> None:
         engine.close()
 
 
-def bisect_rate(engine, cfg, args, label: str) -> dict:
+def bisect_rate(engine, args, label: str) -> dict:
     """Largest rate scale with p99 TTFT within the objective (0 if even the lowest probe misses it)."""
     lo, hi, probes = 0.0, args.bisect_hi, []
     for step in range(args.bisect_steps):
         scale = (lo + hi) / 2
-        trace = workload.make_trace([r * scale for r in cfg.rates], cfg.cv, args.bisect_duration,
-                                    args.seed, [f"m{i}" for i in range(cfg.n_models)])
-        reqs = workload.llm_requests(trace, args.model, args.seed + 1, args.mean_tokens, args.max_tokens_cap)
+        reqs = requests_for(args.bisect, scale, args.bisect_duration, args)
         s = run_trace(engine, reqs, f"{label} x{scale:.3f}", args.ttft_slo)
         ok = s["errors"] == 0 and s["ttft_p99"] is not None and s["ttft_p99"] <= args.ttft_slo
         probes.append({"scale": scale, "ttft_p99": s["ttft_p99"], "ok": ok, "requests": s["requests"]})
@@ -196,118 +254,77 @@ def bisect_rate(engine, cfg, args, label: str) -> dict:
     return {"sustainable_scale": lo, "probes": probes}
 
 
-def plot(doc: dict, out_dir: str) -> List[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    keys = sorted({(r["config"], r["max_loaded"]) for r in doc["runs"]})
-    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.2 * max(1, len(keys)), 3.6), sharey=True,
-                             squeeze=False)
-    for ax, (c, ml) in zip(axes[0], keys):
-        for r in doc["runs"]:
-            if (r["config"], r["max_loaded"]) == (c, ml) and r["ttfts"]:
-                xs = r["ttfts"]
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["mode"])
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"config {c} {doc['labels'][str(c)]}\nmax_loaded={ml}", fontsize=9)
-        ax.set_xlabel("TTFT (s)")
-        ax.axvline(doc["ttft_slo_s"], color="grey", lw=0.8, ls=":")
-    axes[0][0].set_ylabel("fraction of requests")
-    if keys:
-        axes[0][-1].legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "llm_sim_ttft_cdf.png"))
-        fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    if doc.get("bisect"):
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        for mode, b in doc["bisect"]["modes"].items():
-            pts = sorted((p["scale"], p["ttft_p99"]) for p in b["probes"] if p["ttft_p99"] is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-        ax.axhline(doc["ttft_slo_s"], color="grey", lw=0.8, ls=":")
-        ax.set_yscale("log")
-        ax.set_xlabel(f"rate scale (config {doc['bisect']['config']})")
-        ax.set_ylabel("p99 TTFT (s)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "llm_sim_p99_vs_rate.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+@contextlib.contextmanager
+def warm_engine(mode: str, args, n_models: int, max_loaded: int):
+    engine = launch(mode, args, n_models, max_loaded)
+    try:
+        warm_up(engine, n_models)
+        yield engine
+    finally:
+        close(engine)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise SystemExit(f"--modes {args.modes!r}: a comma-separated list of {MODES}")
-    configs = [int(c) for c in args.configs.split(",") if c.strip()]
-    for c in configs + ([args.bisect] if args.bisect is not None else []):
-        if not 0 <= c < len(workload.CONFIGS):
-            raise SystemExit(f"configuration {c}: must be in 0..{len(workload.CONFIGS) - 1}")
-    max_loaded = [int(x) for x in args.max_loaded.split(",")]
-    doc = {"experiment": "llm_sim", "model": args.model, "rate_scale": args.rate_scale, "duration_s": args.duration,
-           "ttft_slo_s": args.ttft_slo, "quantum_ms": args.quantum_ms, "mean_tokens": args.mean_tokens,
-           "tp": args.tp, "pp": args.pp, "machine": workload.machine_info(), "runs": [],
-           "labels": {str(c): workload.CONFIGS[c].label() for c in set(configs) | {args.bisect or 0}}}
-    traces = {}
-    for c in configs:
-        cfg = workload.CONFIGS[c]
-        ids = [f"m{i}" for i in range(cfg.n_models)]
-        trace = workload.make_trace([r * args.rate_scale for r in cfg.rates], cfg.cv, args.duration, args.seed, ids)
-        traces[c] = workload.llm_requests(trace, args.model, args.seed + 1, args.mean_tokens, args.max_tokens_cap)
-    groups = sorted({(workload.CONFIGS[c].n_models, ml) for c in configs for ml in max_loaded
-                     if ml < workload.CONFIGS[c].n_models})
-    for n_models, ml in groups:
-        for mode in modes:
-            engine = launch(mode, args, n_models, ml)
-            try:
-                warm_up(engine, n_models)
-                for c in configs:
-                    if workload.CONFIGS[c].n_models != n_models:
-                        continue
-                    s = run_trace(engine, traces[c], f"c{c} ml{ml} {mode}", args.ttft_slo)
-                    doc["runs"].append({"config": c, "max_loaded": ml, "mode": mode, **s})
-            finally:
-                close(engine)
-    if args.bisect is not None:
-        cfg = workload.CONFIGS[args.bisect]
-        ml = min(max_loaded)
-        doc["bisect"] = {"config": args.bisect, "max_loaded": ml, "modes": {}}
-        for mode in modes:
-            engine = launch(mode, args, cfg.n_models, ml)
-            try:
-                warm_up(engine, cfg.n_models)
-                doc["bisect"]["modes"][mode] = bisect_rate(engine, cfg, args, f"bisect c{args.bisect} {mode}")
-            finally:
-                close(engine)
-        rates = {m: b["sustainable_scale"] for m, b in doc["bisect"]["modes"].items()}
-        token = [m for m in TOKEN_MODES if m in rates]
-        doc["sustainable_rate_ratio"] = None  # without both sides, or when request level sustains no rate
-        if token:
-            best = max(token, key=lambda m: rates[m])
-            doc["best_token_mode"] = best
-            if rates.get("request"):
-                doc["sustainable_rate_ratio"] = rates[best] / rates["request"]
-    # ratios on the swap-bound runs: best token-level p99 TTFT over request-level, per configuration
+def run_configs(args, requests: Dict[int, list]) -> List[dict]:
+    """Every configuration's requests against every mode, one engine per (mode, model count, max_loaded)."""
+    runs = []
+    for n_models, ml in groups(args):
+        for mode in args.modes:
+            with warm_engine(mode, args, n_models, ml) as engine:
+                for c in args.configs:
+                    if workload.CONFIGS[c].n_models == n_models:
+                        s = run_trace(engine, requests[c], f"c{c} ml{ml} {mode}", args.ttft_slo)
+                        runs.append({"config": c, "max_loaded": ml, "mode": mode, **s})
+    return runs
+
+
+def run_bisect(args) -> dict:
+    """The sustainable rate of ``--bisect``'s configuration per mode, and the best token level's over request's."""
+    n_models, ml = workload.CONFIGS[args.bisect].n_models, min(args.max_loaded)
+    out = {"bisect": {"config": args.bisect, "max_loaded": ml, "modes": {}}}
+    for mode in args.modes:
+        with warm_engine(mode, args, n_models, ml) as engine:
+            out["bisect"]["modes"][mode] = bisect_rate(engine, args, f"bisect c{args.bisect} {mode}")
+    rates = {m: b["sustainable_scale"] for m, b in out["bisect"]["modes"].items()}
+    token = [m for m in TOKEN_MODES if m in rates]
+    out["sustainable_rate_ratio"] = None  # without both sides, or when request level sustains no rate
+    if token:
+        best = max(token, key=lambda m: rates[m])
+        out["best_token_mode"] = best
+        if rates.get("request"):
+            out["sustainable_rate_ratio"] = rates[best] / rates["request"]
+    return out
+
+
+def ttft_ratios(args, runs: List[dict]) -> Dict[str, float]:
+    """Per swap-bound run: the best token-level p99 TTFT over request level's."""
     ratios = {}
-    for c in configs:
-        for ml in max_loaded:
-            by = {r["mode"]: r for r in doc["runs"] if r["config"] == c and r["max_loaded"] == ml}
+    for c in args.configs:
+        for ml in args.max_loaded:
+            by = {r["mode"]: r for r in runs if r["config"] == c and r["max_loaded"] == ml}
             tok = [by[m]["ttft_p99"] for m in TOKEN_MODES if m in by and by[m]["ttft_p99"] is not None]
             if tok and by.get("request", {}).get("ttft_p99"):
                 ratios[f"c{c}_ml{ml}"] = min(tok) / by["request"]["ttft_p99"]
-    doc["ttft_p99_ratio"] = ratios
-    if args.out:
-        workload.write_json(args.out, doc)
-    if args.plot_dir:
-        for path in plot(doc, args.plot_dir):
-            print(f"wrote {path}", file=sys.stderr)
+    return ratios
+
+
+def main(argv=None) -> dict:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    refuse_empty_traces(p, args)
+    requests = {c: requests_for(c, args.rate_scale, args.duration, args) for c in args.configs}
+    doc = {"experiment": "llm_sim", "model": args.model, "rate_scale": args.rate_scale, "duration_s": args.duration,
+           "ttft_slo_s": args.ttft_slo, "quantum_ms": args.quantum_ms, "mean_tokens": args.mean_tokens,
+           "tp": args.tp, "pp": args.pp, "machine": workload.machine_info(),
+           "labels": {str(c): workload.CONFIGS[c].label() for c in set(args.configs) | {args.bisect or 0}}}
+    doc["runs"] = run_configs(args, requests)
+    if args.bisect is not None:
+        doc.update(run_bisect(args))
+    doc["ttft_p99_ratio"] = ttft_ratios(args, doc["runs"])
+    workload.write_json(args.out, doc)
+    import plot  # matplotlib
+    for path in plot.plot_llm(doc, args.plot_dir):
+        print(f"wrote {path}", file=sys.stderr)
     print(workload.json.dumps({k: v for k, v in doc.items() if k not in ("runs", "machine")}
                               | {"runs": [{k: v for k, v in r.items() if k != "ttfts"} for r in doc["runs"]]}))
     return doc

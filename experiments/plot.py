@@ -1,4 +1,4 @@
-"""Figures from the JSON files of ``sim.py`` and ``round_robin.py`` (matplotlib, Agg backend).
+"""Figures from the JSON files of ``sim.py``, ``round_robin.py`` and ``llm_sim.py`` (matplotlib, Agg backend).
 
 - ``sim_cdf.png``: latency CDFs, one panel per rate tuple (and model / TP / PP /
   max_loaded, when files differ in those), one colour per CV, solid = ours,
@@ -6,8 +6,11 @@
 - ``rr_breakdown.png``: the round-robin breakdown, one panel per configuration
   (model, TP, PP, blocking): mean offload, load, model, engine overhead and
   response time per mode, warm-up requests left out (as in the JSON summary).
+- ``llm_sim_ttft_cdf.png`` and ``llm_sim_p99_vs_rate.png`` (``plot_llm``, called by ``llm_sim.py``): TTFT
+  CDFs per configuration and p99 TTFT against the rate scale, one line per mode.
 
-Usage: ``python experiments/plot.py --sim a.json b.json --rr c.json --out-dir experiments/figures``
+Usage: ``python experiments/plot.py --sim a.json b.json --rr c.json`` (figures in ``results/figures``;
+``--out-dir experiments/figures --publish`` refreshes the tracked ones, as ``run_cpu.sh --publish`` does)
 """
 from __future__ import annotations
 
@@ -15,14 +18,17 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload  # noqa: E402
 
 STYLE = {"ours": "-", "paper": "--"}
 CV_COLORS = {0.25: "tab:blue", 1.0: "tab:orange", 4.0: "tab:green"}  # 1 == 1.0 as dict keys
@@ -61,11 +67,7 @@ def _save(fig, axes, n_used: int, title: str, out_dir: str, name: str) -> str:
     for ax in list(axes.flat)[n_used:]:
         ax.axis("off")
     fig.suptitle(title, fontsize=12)
-    fig.tight_layout()
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_plain(fig, out_dir, name)
 
 
 def plot_sim(docs: Sequence[dict], out_dir: str) -> str:
@@ -132,14 +134,68 @@ def plot_rr(docs: Sequence[dict], out_dir: str) -> str:
                  "rr_breakdown.png")
 
 
+def plot_llm_cdf(doc: dict, out_dir: str) -> Optional[str]:
+    """TTFT CDFs of ``llm_sim.py``'s runs, a panel per (configuration, max_loaded), a line per mode."""
+    keys = sorted({(r["config"], r["max_loaded"]) for r in doc["runs"]})
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), sharey=True, squeeze=False)
+    for ax, (c, ml) in zip(axes[0], keys):
+        for r in doc["runs"]:
+            if (r["config"], r["max_loaded"]) == (c, ml) and r["ttfts"]:
+                xs = r["ttfts"]
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["mode"])
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"config {c} {doc['labels'][str(c)]}\nmax_loaded={ml}", fontsize=9)
+        ax.set_xlabel("TTFT (s)")
+        ax.axvline(doc["ttft_slo_s"], color="grey", lw=0.8, ls=":")
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][-1].legend(fontsize=8)
+    return _save_plain(fig, out_dir, "llm_sim_ttft_cdf.png")
+
+
+def plot_llm_rates(doc: dict, out_dir: str) -> Optional[str]:
+    """p99 TTFT of ``llm_sim.py``'s bisection probes against the rate scale, a line per mode."""
+    if not doc.get("bisect"):
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for mode, b in doc["bisect"]["modes"].items():
+        pts = sorted((p["scale"], p["ttft_p99"]) for p in b["probes"] if p["ttft_p99"] is not None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.axhline(doc["ttft_slo_s"], color="grey", lw=0.8, ls=":")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"rate scale (config {doc['bisect']['config']})")
+    ax.set_ylabel("p99 TTFT (s)")
+    ax.legend(fontsize=8)
+    return _save_plain(fig, out_dir, "llm_sim_p99_vs_rate.png")
+
+
+def _save_plain(fig, out_dir: str, name: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_llm(doc: dict, out_dir: str) -> List[str]:
+    """The figures of one ``llm_sim.py`` document (those it has data for)."""
+    return [p for p in (plot_llm_cdf(doc, out_dir), plot_llm_rates(doc, out_dir)) if p]
+
+
 def main(argv=None) -> List[str]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sim", nargs="*", default=[], help="JSON files written by sim.py --out")
     ap.add_argument("--rr", nargs="*", default=[], help="JSON files written by round_robin.py --out")
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures"))
+    ap.add_argument("--out-dir", default=workload.results_path("figures"),
+                    help="where the PNGs go (default: results/figures; experiments/figures needs --publish)")
+    workload.add_publish_arg(ap)
     args = ap.parse_args(argv)
     if not args.sim and not args.rr:
         ap.error("give --sim and/or --rr JSON files")
+    workload.check_outputs(ap, args.publish, args.out_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     written = []
     if args.sim:

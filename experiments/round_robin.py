@@ -30,12 +30,14 @@ started between the previous request's answer and this request's answer.
 
 The first ``n`` requests (one per model: first loads, lazy initialisation) are
 warm-up and are left out of every mean.
+
+The JSON goes to ``results/round_robin/`` (git-ignored) unless ``--out`` names
+another file; the tracked ``experiments/data`` needs ``--publish``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import datetime
 import os
 import sys
@@ -172,28 +174,23 @@ async def _client(engine, args, prompt, mode: str) -> List[dict]:
     return list(await asyncio.gather(*tasks))
 
 
-async def run_mode(mode: str, args) -> dict:
-    from computron import LaunchEngine
-    mcs = workload.opt_model_configs(args.model_name, args.num_models, args.batch_size, args.dtype)
-    cfg = workload.engine_config(mode, args.max_loaded, worker_threads=args.threads,
-                                 overlap=not args.no_overlap, prefetch=not args.no_prefetch)
-    t0 = time.perf_counter()
-    engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
-    launch_s = time.perf_counter() - t0
-    prompt = workload.make_prompt(args.model_name)
+def run_mode(mode: str, args) -> dict:
+    engine, launch_s = workload.launch_opt(mode, args.model_name, args.num_models, args.max_loaded, args)
     load_before = os.getloadavg()
+    res = asyncio.run(_drive(engine, mode, args))
+    return {**res, "launch_s": launch_s, "loadavg": [load_before[0], os.getloadavg()[0]]}
+
+
+async def _drive(engine, mode: str, args) -> dict:
+    """The requests on ``engine`` (closed at the end)."""
+    prompt = workload.make_prompt(args.model_name)
     async with engine:
         t1 = time.perf_counter()
         client = await _client(engine, args, prompt, mode)
         wall = time.perf_counter() - t1
         metrics = engine.metrics()
-    records = attribute(metrics, client)
-    raw = [dict(dataclasses.asdict(r), kind=r.kind) for r in metrics]
-    for r in raw:
-        r["rank_times"] = {str(k): v for k, v in r.get("rank_times", {}).items()}
-        r.pop("device_bytes", None)
-    return {"records": records, "engine": raw, "launch_s": launch_s, "wall_s": wall,
-            "loadavg": [load_before[0], os.getloadavg()[0]]}
+    return {"records": attribute(metrics, client), "engine": [workload.record_json(r) for r in metrics],
+            "wall_s": wall}
 
 
 def _fmt(x, unit=1.0, nd=4):
@@ -249,10 +246,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-prefetch", action="store_true", help="ablation: EngineConfig(prefetch=False) for ours")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
-    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--out", default=None,
+                    help="JSON file to write (default: results/round_robin/rr_<model>_t<tp>_p<pp>.json)")
+    workload.add_publish_arg(ap)
     args = ap.parse_args(argv)
+    args.out = args.out or workload.results_path(
+        "round_robin", f"rr_{args.model_name}_t{args.tp_world_size}_p{args.pp_world_size}.json")
+    workload.check_outputs(ap, args.publish, args.out)
     args.dtype = args.dtype or workload.default_dtype()
-    modes = workload.parse_modes(args.modes)
+    try:
+        modes = workload.parse_modes(args.modes)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.num_requests <= args.num_models:
         ap.error(f"-r {args.num_requests}: need more requests than the {args.num_models} warm-up ones")
 
@@ -260,7 +265,7 @@ def main(argv=None) -> dict:
     for mode in modes:
         print(f"[{mode}] launching {args.num_models} x {args.model_name} tp={args.tp_world_size} "
               f"pp={args.pp_world_size}", file=sys.stderr, flush=True)
-        res = asyncio.run(run_mode(mode, args))
+        res = run_mode(mode, args)
         results[mode] = res["records"]
         summary[mode] = summarize(res["records"], warmup=args.num_models)
         extra[mode] = {"engine": res["engine"], "launch_s": res["launch_s"], "wall_s": res["wall_s"],
@@ -270,19 +275,18 @@ def main(argv=None) -> dict:
     if "ours" in summary and "paper" in summary:
         summary["paper_over_ours"] = {f: (summary["paper"][f] / summary["ours"][f]
                                           if summary["ours"][f] else None) for f in FIELDS}
-    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "publish")}
     config.update(modes=modes, warmup_dropped=args.num_models,
                   date=datetime.datetime.now().isoformat(timespec="seconds"), machine=workload.machine_info(),
                   command=" ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
     doc = {"kind": "round_robin", "config": config, "records": results, "summary": summary,
            "engine_records": {m: extra[m]["engine"] for m in modes},
            "timing": {m: {k: extra[m][k] for k in ("launch_s", "wall_s", "loadavg_1min")} for m in modes}}
+    workload.write_json(args.out, doc)  # first: the run is kept even if printing fails
     print(f"\n{args.model_name} x{args.num_models} tp={args.tp_world_size} pp={args.pp_world_size} "
           f"max_loaded={args.max_loaded} {'blocking' if args.blocking else 'all at once'} "
           f"r={args.num_requests} max_tokens={args.max_tokens}")
     print_table(summary, modes)
-    if args.out:
-        workload.write_json(args.out, doc)
     return doc
 
 

@@ -14,6 +14,9 @@ arrival records by how much it did not). Per mode: count, mean, p50, p99
 latency, SLO attainment (fraction of the trace answered within ``--slo``
 seconds), and the engine's swap counts; with both modes, the ratios ours/paper
 of mean and p99. Progress goes to stderr every ``--progress-every`` answers.
+
+The JSON goes to ``results/sim/`` (git-ignored) unless ``--out`` names another file; the tracked
+``experiments/data`` needs ``--publish``. A trace that draws no request is refused (exit 2) before any launch.
 """
 from __future__ import annotations
 
@@ -109,16 +112,16 @@ def summarize(records: Sequence[dict], metrics: Sequence, slo: float) -> dict:
     }
 
 
-async def run_mode(mode: str, trace, args, model_ids: List[str]) -> dict:
-    from computron import LaunchEngine
-    mcs = workload.opt_model_configs(args.model, len(model_ids), args.batch_size, args.dtype)
-    cfg = workload.engine_config(mode, args.max_loaded_resolved, worker_threads=args.threads,
-                                 overlap=not args.no_overlap, prefetch=not args.no_prefetch)
-    payload = {"input_ids": workload.make_prompt(args.model), "max_tokens": args.max_tokens}
-    t0 = time.perf_counter()
-    engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
-    launch_s = time.perf_counter() - t0
+def run_mode(mode: str, trace, args, model_ids: List[str]) -> dict:
+    engine, launch_s = workload.launch_opt(mode, args.model, len(model_ids), args.max_loaded_resolved, args)
     load_before = os.getloadavg()
+    res = asyncio.run(_drive(engine, mode, trace, args, model_ids))
+    return {**res, "launch_s": launch_s, "loadavg": [load_before[0], os.getloadavg()[0]]}
+
+
+async def _drive(engine, mode: str, trace, args, model_ids: List[str]) -> dict:
+    """Warm-up, then the trace, on ``engine`` (closed at the end)."""
+    payload = {"input_ids": workload.make_prompt(args.model), "max_tokens": args.max_tokens}
     async with engine:
         for mid in model_ids:  # warm-up, one model after the other
             await engine.submit(mid, payload)
@@ -126,28 +129,17 @@ async def run_mode(mode: str, trace, args, model_ids: List[str]) -> dict:
         client, t_start = await replay(engine, trace, payload, mode, args.progress_every, args.timeout)
         wall = time.perf_counter() - t_start
         metrics = engine.metrics()
-    records = build_records(client, metrics, t_start, n_warmup=len(model_ids))
+    return {**mode_result(client, metrics, n_warm_metrics, t_start, len(model_ids), args.slo), "wall_s": wall}
+
+
+def mode_result(client: Sequence[dict], metrics: Sequence, n_warm_metrics: int, t_start: float, n_warmup: int,
+                slo: float) -> dict:
+    """One mode's per-request records, summary and engine records (every kind, as JSON) from the client's
+    records and ``engine.metrics()``; the first ``n_warm_metrics`` engine records are the warm-up's."""
+    records = build_records(client, metrics, t_start, n_warmup)
     trace_metrics = metrics[n_warm_metrics:]
-    return {"records": records, "summary": summarize(records, trace_metrics, args.slo),
-            "engine": [_raw(m, t_start) for m in trace_metrics], "launch_s": launch_s, "wall_s": wall,
-            "loadavg": [load_before[0], os.getloadavg()[0]]}
-
-
-def _raw(rec, t0: float) -> dict:
-    """An engine record as JSON, times relative to the start of the trace."""
-    d = {"kind": rec.kind, "model_id": rec.model_id}
-    if rec.kind == "request":
-        d.update(uid=rec.uid, batch_uid=rec.batch_uid, start=rec.submitted - t0, end=rec.finished - t0)
-    else:
-        d.update(start=rec.start - t0, end=rec.end - t0,
-                 rank_times={str(k): [a - t0, b - t0] for k, (a, b) in rec.rank_times.items()})
-        if rec.kind == "batch":
-            d.update(seq=rec.seq, uids=list(rec.uids), batch_size=rec.batch_size)
-        elif rec.kind == "step":  # token-level generation: one decode (and admission) step of one model
-            d.update(seq=rec.seq, running=rec.running, admitted=rec.admitted, dropped=rec.dropped)
-    if rec.error:
-        d["error"] = rec.error
-    return d
+    return {"records": records, "summary": summarize(records, trace_metrics, slo),
+            "engine": [workload.record_json(m, t_start) for m in trace_metrics]}
 
 
 def _fmt(x, nd=3):
@@ -203,34 +195,43 @@ def main(argv=None) -> dict:
                     help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default none)")
     ap.add_argument("--progress-every", type=int, default=50)
-    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--out", default=None,
+                    help="JSON file to write (default: results/sim/sim_c<config>_<model>[_x<scale>].json)")
+    workload.add_publish_arg(ap)
     args = ap.parse_args(argv)
     if not 0 <= args.config < len(workload.CONFIGS):
         ap.error(f"-c {args.config}: must be in 0..{len(workload.CONFIGS) - 1}")
     if args.rate_scale <= 0:
         ap.error("--rate-scale must be > 0")
+    args.out = args.out or workload.results_path(
+        "sim", f"sim_c{args.config}_{args.model}{'' if args.rate_scale == 1 else f'_x{args.rate_scale:g}'}.json")
+    workload.check_outputs(ap, args.publish, args.out)
     sc = workload.CONFIGS[args.config]
     args.max_loaded_resolved = sc.paper_max_loaded if args.max_loaded == "paper" else int(args.max_loaded)
     args.dtype = args.dtype or workload.default_dtype()
-    modes = workload.parse_modes(args.modes)
+    try:
+        modes = workload.parse_modes(args.modes)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     rates = tuple(r * args.rate_scale for r in sc.rates)
     model_ids = [f"m{i}" for i in range(sc.n_models)]
     trace = workload.make_trace(rates, sc.cv, args.duration, args.seed, model_ids)
     print(f"config {args.config}: {sc.label()} x{args.rate_scale}: {len(trace)} requests over {args.duration}s",
           file=sys.stderr, flush=True)
+    workload.check_trace(ap, trace, f"config {args.config}", rates, args.duration)
 
     records, summary, timing, engine_records = {}, {}, {}, {}
     for mode in modes:
         print(f"[{mode}] launching {sc.n_models} x {args.model}", file=sys.stderr, flush=True)
-        res = asyncio.run(run_mode(mode, trace, args, model_ids))
+        res = run_mode(mode, trace, args, model_ids)
         records[mode], summary[mode] = res["records"], res["summary"]
         timing[mode] = {"launch_s": res["launch_s"], "wall_s": res["wall_s"], "loadavg_1min": res["loadavg"]}
         engine_records[mode] = res["engine"]
     if "ours" in summary and "paper" in summary:
         summary["ours_over_paper"] = {
             k: (summary["ours"][k] / summary["paper"][k] if summary["paper"][k] else None) for k in ("mean", "p99")}
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "max_loaded_resolved")}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "publish", "max_loaded_resolved")}
     config.update(max_loaded=args.max_loaded_resolved, paper_max_loaded=sc.paper_max_loaded,
                   rates=list(rates), base_rates=list(sc.rates), cv=sc.cv, label=sc.label(), modes=modes,
                   n_requests=len(trace), date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -238,9 +239,8 @@ def main(argv=None) -> dict:
                   command=" ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
     doc = {"kind": "sim", "config": config, "trace": [[t, m] for t, m in trace], "records": records,
            "summary": summary, "timing": timing, "engine_records": engine_records}
+    workload.write_json(args.out, doc)  # first: the run is kept even if printing fails
     print_summary(doc)
-    if args.out:
-        workload.write_json(args.out, doc)
     return doc
 
 

@@ -49,9 +49,11 @@ threads than free cores made an opt-tiny forward 40-600x slower.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -179,6 +181,19 @@ def engine_config(mode: str, max_loaded: int, **kw):
     return EngineConfig(max_loaded=max_loaded, paper_mode=(mode == "paper"), **kw)
 
 
+def launch_opt(mode: str, model_name: str, n_models: int, max_loaded: int, args):
+    """``n_models`` OPT models in ``mode`` ('ours' or 'paper') with the scripts' shared options (``batch_size``,
+    ``dtype``, ``threads``, ``no_overlap``, ``no_prefetch``, ``tp_world_size``, ``pp_world_size``): the engine
+    and its start-up seconds. Call it outside the event loop: LaunchEngine blocks for the whole start-up."""
+    from computron import LaunchEngine
+    mcs = opt_model_configs(model_name, n_models, args.batch_size, args.dtype)
+    cfg = engine_config(mode, max_loaded, worker_threads=args.threads, overlap=not args.no_overlap,
+                        prefetch=not args.no_prefetch)
+    t0 = time.perf_counter()
+    engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
+    return engine, time.perf_counter() - t0
+
+
 def parse_modes(s: str) -> List[str]:
     modes = [m.strip() for m in s.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("ours", "paper")]
@@ -194,11 +209,75 @@ def write_json(path: str, doc: dict) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+# ---- where results go --------------------------------------------------------------------
+
+EXPERIMENTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PUBLISHED_DIRS = ("data", "figures")
+"""The tracked results under ``experiments/``: written only with ``--publish`` (``run_cpu.sh --publish``)."""
+
+
+def results_path(*parts: str) -> str:
+    """A default output: ``results/<parts...>`` under the current directory (git-ignored)."""
+    return os.path.join("results", *parts)
+
+
+def add_publish_arg(ap) -> None:
+    ap.add_argument("--publish", action="store_true",
+                    help="allow writing into the tracked experiments/data and experiments/figures "
+                         "(experiments/run_cpu.sh --publish refreshes them)")
+
+
+def _published(path: str) -> bool:
+    real = os.path.realpath(path)
+    for d in PUBLISHED_DIRS:
+        top = os.path.realpath(os.path.join(EXPERIMENTS_DIR, d))
+        if os.path.commonpath([real, top]) == top:
+            return True
+    return False
+
+
+def check_outputs(ap, publish: bool, *paths: Optional[str]) -> None:
+    """Refuse (``ap.error``: exit 2, before anything runs) to overwrite the tracked results without ``--publish``."""
+    tracked = [p for p in paths if p and _published(p)]
+    if tracked and not publish:
+        ap.error(f"{', '.join(tracked)}: inside the tracked experiments/{{{','.join(PUBLISHED_DIRS)}}}; add "
+                 "--publish to refresh the published results on purpose, or leave the output option out to "
+                 "write under results/ (git-ignored)")
+
+
+def check_trace(ap, trace: Sequence, label: str, rates: Sequence[float], duration: float,
+                knobs: Tuple[str, str] = ("--duration", "--rate-scale")) -> None:
+    """Refuse (``ap.error``: exit 2, before any engine starts) a trace without a single request."""
+    if trace:
+        return
+    ap.error(f"{label}: the trace drew 0 requests ({duration:g} s of arrivals at "
+             f"{tuple(_num(round(r, 6)) for r in rates)} req/s, {sum(rates) * duration:.2g} expected); raise "
+             f"{knobs[0]} or {knobs[1]} until rate x duration is several requests per model")
+
+
+# ---- engine records as JSON -------------------------------------------------------------
+
+PERF_FIELDS = ("start", "end", "at", "submitted", "finished", "first_token")
+"""Fields of the records in ``computron.metrics`` that hold master ``perf_counter`` times."""
+
+
+def record_json(rec, t0: float = 0.0) -> dict:
+    """Any engine record (swap, batch, step, request, kv_offload/kv_restore, preemption) as JSON: its
+    fields, master times (and per-rank times) relative to ``t0``; the per-rank device bytes left out."""
+    d = dataclasses.asdict(rec)
+    d.pop("device_bytes", None)
+    for k in PERF_FIELDS:
+        if d.get(k) is not None:
+            d[k] -= t0
+    if "rank_times" in d:
+        d["rank_times"] = {str(r): [a - t0, b - t0] for r, (a, b) in d["rank_times"].items()}
+    return d
+
+
 class Progress:
     """A line on stderr every ``every`` answers (and at the last): count, elapsed time, throughput."""
 
     def __init__(self, mode: str, total: int, every: int):
-        import time
         self._clock = time.perf_counter
         self.mode, self.total, self.every = mode, total, every
         self.done = 0

@@ -1,6 +1,7 @@
 """The experiment scripts: Gamma arrivals, a short real sim run, and the plots."""
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -52,15 +53,25 @@ def test_config_table():
     assert workload.CONFIGS[workload.SMOKE_CONFIG].rates == (2, 2)
 
 
+def _experiments_status() -> dict:
+    """Every file under experiments/ (bytecode caches left out) with its size and modification time: a run
+    that wrote into experiments/data or experiments/figures changes it."""
+    files = (p for p in pathlib.Path(EXP).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+
+
 @pytest.mark.timeout(300)
 def test_short_sim_answers_every_request(tmp_path):
-    out = tmp_path / "sim.json"
+    """The smoke run, from another directory and without --out: the JSON goes to results/sim/ there, and
+    nothing under experiments/ changes."""
+    before = _experiments_status()
     cmd = [sys.executable, os.path.join(EXP, "sim.py"), "-c", "18", "-d", "2", "--model", "opt-tiny",
-           "--modes", "ours,paper", "--seed", "3", "--max-tokens", "2", "--progress-every", "2",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+           "--modes", "ours,paper", "--seed", "3", "--max-tokens", "2", "--progress-every", "2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "answered" in proc.stderr  # progress lines
+    assert _experiments_status() == before
+    out = tmp_path / "results" / "sim" / "sim_c18_opt-tiny.json"
     doc = json.loads(out.read_text())
     trace = doc["trace"]
     assert doc["config"]["n_requests"] == len(trace) > 0
@@ -275,3 +286,100 @@ def test_tiers_benchmark_cpu_path(tmp_path):
     for key in ("read_limit_gbps", "startup_speedup", "startup_cpu_sliced_cold_s", "startup_cpu_full_cold_s",
                 "disk_vs_read_limit", "reader_only_vs_read_limit", "h2d_vs_limit", "swap_s_disk"):
         assert line[key] > 0, (key, line)
+
+
+def _mixed_records():
+    """A warm-up (load, batch, request of m0), then a trace of two requests where token-level m1 preempts m0
+    (every kind of record in computron.metrics) and m0 comes back for a request-level batch."""
+    from computron.metrics import (BatchRecord, KVRecord, PreemptionRecord, RequestRecord, StepRecord,
+                                   SwapRecord)
+    rt = {0: (0.0, 0.0)}
+    warm = [SwapRecord("load", "m0", 0.0, 0.1, nbytes=10, device_bytes={0: 10}),
+            BatchRecord("m0", 0.1, 0.2, 1, (0,), seq=1),
+            RequestRecord(0, "m0", 0.0, 0.21, batch_uid=1)]
+    trace = [PreemptionRecord("m0", 1.0, "m1", parked=1, recomputed=0),
+             KVRecord("kv_offload", "m0", 1.0, 1.01, nbytes=4, rank_times=rt),
+             SwapRecord("offload", "m0", 1.01, 1.02),
+             SwapRecord("load", "m1", 1.02, 1.1, nbytes=10),
+             StepRecord("m1", 1.1, 1.2, running=1, admitted=1, dropped=0, seq=10),
+             StepRecord("m1", 1.2, 1.3, running=1, admitted=0, dropped=1, seq=11),
+             RequestRecord(1, "m1", 1.0, 1.3, batch_uid=11, first_token=1.2, n_tokens=2),
+             SwapRecord("offload", "m1", 1.3, 1.31),
+             SwapRecord("load", "m0", 1.31, 1.4, nbytes=10),
+             KVRecord("kv_restore", "m0", 1.4, 1.41, nbytes=4),
+             BatchRecord("m0", 1.41, 1.6, 1, (2,), seq=12),
+             RequestRecord(2, "m0", 1.05, 1.6, batch_uid=12)]
+    client = [{"i": 0, "model": "m1", "ok": True, "error": None, "arrival": 0.0, "t_submit": 1.0,
+               "t_answer": 1.301, "n_tokens": 2},
+              {"i": 1, "model": "m0", "ok": True, "error": None, "arrival": 0.05, "t_submit": 1.05,
+               "t_answer": 1.601, "n_tokens": 1}]
+    return warm, trace, client
+
+
+def test_every_record_kind_through_the_summaries():
+    """Records of every kind (preemption and KV moves included) through sim.py's and round_robin.py's
+    summaries, their JSON and computron.report: `sim.py -c 18` crashed on a PreemptionRecord."""
+    import round_robin
+    import sim
+    from computron import report
+    warm, trace, client = _mixed_records()
+    res = sim.mode_result(client, warm + trace, len(warm), 1.0, n_warmup=1, slo=1.0)
+    eng = json.loads(json.dumps(res["engine"]))
+    assert [r["kind"] for r in eng] == [r.kind for r in trace]
+    pre = next(r for r in eng if r["kind"] == "preemption")
+    assert pre["at"] == pytest.approx(0.0) and pre["for_model"] == "m1" and pre["parked"] == 1
+    assert next(r for r in eng if r["kind"] == "kv_offload")["rank_times"] == {"0": [-1.0, -1.0]}
+    req = next(r for r in eng if r["kind"] == "request")
+    assert req["submitted"] == pytest.approx(0.0) and req["first_token"] == pytest.approx(0.2)
+    s = res["summary"]
+    assert (s["count"], s["answered"], s["n_loads"], s["n_offloads"], s["n_batches"]) == (2, 2, 2, 2, 3)
+    r0, r1 = res["records"]
+    assert r0["batch_size"] == 1 and r0["queue"] == pytest.approx(0.1) and r0["batch"] == pytest.approx(0.1)
+    assert r1["batch_size"] == 1 and r1["queue"] == pytest.approx(0.36)
+
+    rr_client = [{"i": 0, "model": "m0", "ok": True, "t_submit": 0.0, "t_answer": 0.211}] + \
+        [{k: c[k] for k in ("model", "ok", "t_submit", "t_answer")} | {"i": c["i"] + 1} for c in client]
+    recs = round_robin.attribute(warm + trace, rr_client)
+    assert [r["n_loads"] for r in recs] == [1, 1, 1]
+    assert round_robin.summarize(recs, warmup=1)["n"] == 2
+    json.dumps([workload.record_json(r) for r in warm + trace])
+    assert "kv_offload" not in report.swap_table(warm + trace) and "request" in report.summary(warm + trace)
+
+
+@pytest.mark.timeout(300)
+def test_outputs_stay_out_of_the_tracked_results(tmp_path):
+    """plot.py without --out-dir writes under results/ of the current directory; the tracked
+    experiments/data and experiments/figures are written only with --publish (refused, exit 2, without)."""
+    sim_json = tmp_path / "sim.json"
+    sim_json.write_text(json.dumps(_synthetic_sim(1)))
+    before = _experiments_status()
+    proc = subprocess.run([sys.executable, os.path.join(EXP, "plot.py"), "--sim", str(sim_json)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "results" / "figures" / "sim_cdf.png").stat().st_size > 0
+    for script, args in (("plot.py", ["--sim", str(sim_json), "--out-dir", os.path.join(EXP, "figures")]),
+                         ("sim.py", ["--out", os.path.join(EXP, "data", "cpu", "new.json")]),
+                         ("round_robin.py", ["--out", "experiments/data/cpu/new.json"]),
+                         ("llm_sim.py", ["--plot-dir", "experiments/figures"])):
+        proc = subprocess.run([sys.executable, os.path.join(EXP, script), *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and "--publish" in proc.stderr, (script, proc.stderr)
+    assert _experiments_status() == before
+
+
+def test_llm_sim_refuses_an_empty_trace(monkeypatch, capsys):
+    """The issue's --duration 10 --rate-scale 0.1 draws no request: exit 2 saying so and what to change,
+    before any engine is launched."""
+    import llm_sim
+
+    def no_launch(*a, **kw):
+        raise AssertionError("an engine was launched")
+    monkeypatch.setattr(llm_sim, "launch", no_launch)
+    for argv, knob in ((["--duration", "10", "--rate-scale", "0.1"], "--duration"),
+                       (["--configs", "", "--bisect", "1", "--bisect-duration", "5", "--bisect-hi", "0.01"],
+                        "--bisect-duration")):
+        with pytest.raises(SystemExit) as exc:
+            llm_sim.main(argv + ["--out", os.devnull])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "drew 0 requests" in err and knob in err, err
