@@ -297,7 +297,8 @@ class Engine:
                 if validate is not None:
                     validate(data)
             except Exception as exc:  # noqa: BLE001 - whatever the batch manager objects to
-                raise PayloadError(f"model {model_id!r}: malformed request: {exc}") from None
+                raise PayloadError(f"model {model_id!r}: malformed request: {exc}", getattr(exc, "param", None),
+                                   str(exc)) from None
             if self.config.queue_size and len(queue) >= self.config.queue_size:
                 raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
                                      f"(queue_size={self.config.queue_size})")
@@ -436,10 +437,11 @@ class Engine:
         queue = self._queues[model_id]
         task, info, exc = take_batch(self._batch_managers[model_id], queue)
         if task is None:
+            param = getattr(exc, "param", None)
+            reason = str(exc) if param else (f"the batch manager could not batch this request: "
+                                             f"{type(exc).__name__}: {exc}")
             for entry in info:
-                self._finish(entry.uid, error=PayloadError(
-                    f"model {model_id!r}: the batch manager could not batch this request: "
-                    f"{type(exc).__name__}: {exc}"))
+                self._finish(entry.uid, error=PayloadError(f"model {model_id!r}: {reason}", param, reason))
             self._sched.on_batch_done(model_id)
             return
         seq = next(self._seqs)

@@ -5,6 +5,7 @@ Two tiers: per-request errors (the engine keeps serving) derive from
 any more. ``LaunchError`` is raised by ``LaunchEngine`` when a worker fails to
 start.
 """
+from typing import Optional
 
 
 class ComputronError(Exception):
@@ -25,7 +26,20 @@ class UnknownModelError(RequestError, KeyError):
 
 
 class PayloadError(RequestError, ValueError):
-    """The batch manager rejected a request's data."""
+    """The batch manager rejected a request's data.
+
+    ``param`` names the request field at fault (``"max_tokens"``; None when no single field is), and
+    ``reason`` is the message without the engine's ``model 'x': malformed request:`` prefix: an HTTP
+    front answers with both. Batch managers raise it (it is a ValueError) for a bad field.
+    """
+
+    def __init__(self, message: str, param: Optional[str] = None, reason: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+        self.reason = message if reason is None else reason
+
+    def __reduce__(self):  # keep param and reason through pickling
+        return type(self), (str(self), self.param, self.reason)
 
 
 class QueueFullError(RequestError):

@@ -2,8 +2,10 @@
 
 A request is a dict: ``input_ids`` (a list of ints or a 1-D tensor; required),
 optional ``attention_mask`` of the same length, ``max_tokens`` (new tokens,
-default 16), and sampling parameters ``top_k``, ``top_p``, ``temperature``
-(all absent, or ``temperature`` 0, means greedy) and ``seed``. Requests with
+default 16; the prompt and ``max_tokens`` must fit the model's positions), and
+sampling parameters ``top_k``, ``top_p``, ``temperature`` (all absent, or
+``temperature`` 0, means greedy) and ``seed``. A bad field raises
+``PayloadError`` whose ``param`` names it. Requests with
 the same sampling parameters are batched together, left-padded to the longest
 prompt; each answer is cut to its own ``max_tokens`` and after its first EOS.
 The answer is a 1-D LongTensor of the new token ids.
@@ -15,6 +17,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
+from .errors import PayloadError
 from .models.running import is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
@@ -26,10 +29,10 @@ def _ids(data: Dict[str, Any], key: str) -> List[int]:
         if v.dim() == 2 and v.shape[0] == 1:
             v = v[0]
         if v.dim() != 1 or v.dtype.is_floating_point:
-            raise ValueError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}")
+            raise PayloadError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}", key)
         return v.tolist()
     if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise ValueError(f"{key} must be a list of ints or a 1-D integer tensor")
+        raise PayloadError(f"{key} must be a list of ints or a 1-D integer tensor", key)
     return list(v)
 
 
@@ -39,6 +42,8 @@ class CausalLMBatchManager(BatchManager):
     def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Union[int, List[int], None] = 2,
                  vocab_size: Optional[int] = None, max_positions: Optional[int] = None,
                  default_max_tokens: int = 16, max_tokens_limit: int = 4096):
+        """``max_positions`` (the model's ``max_position_embeddings``) bounds prompt + ``max_tokens``;
+        ``max_tokens_limit`` bounds ``max_tokens`` only for a model whose positions are unknown."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         self.max_batch_size = max_batch_size
@@ -63,42 +68,58 @@ class CausalLMBatchManager(BatchManager):
 
     # ---- checks at submit time -----------------------------------------------
     def validate(self, data: Any) -> None:
+        """Raise ``PayloadError`` naming the field (its ``param``) for a request the model cannot serve."""
         if not isinstance(data, dict):
             raise TypeError(f"a generation request is a dict with 'input_ids', got {type(data).__name__}")
-        unknown = set(data) - {"input_ids", "attention_mask", "max_tokens", *_SAMPLING}
+        unknown = sorted(set(data) - {"input_ids", "attention_mask", "max_tokens", *_SAMPLING})
         if unknown:
-            raise ValueError(f"unknown request fields {sorted(unknown)}")
+            raise PayloadError(f"unknown request fields {unknown}", unknown[0])
         if "input_ids" not in data:
-            raise ValueError("'input_ids' is required")
+            raise PayloadError("'input_ids' is required", "input_ids")
         ids = _ids(data, "input_ids")
         if not ids:
-            raise ValueError("input_ids is empty")
+            raise PayloadError("input_ids is empty", "input_ids")
         if min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} max {max(ids)}")
+            raise PayloadError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} max {max(ids)}",
+                               "input_ids")
         if "attention_mask" in data:
             mask = _ids(data, "attention_mask")
             if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-                raise ValueError("attention_mask must be 0/1 values of the same length as input_ids")
+                raise PayloadError("attention_mask must be 0/1 values of the same length as input_ids",
+                                   "attention_mask")
             if not any(mask):
-                raise ValueError("attention_mask has no 1: the model would see no token at all")
-        n = data.get("max_tokens", self.default_max_tokens)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_tokens_limit:
-            raise ValueError(f"max_tokens={n!r}: must be an int in 1..{self.max_tokens_limit}")
-        if self.max_positions is not None and len(ids) + n > self.max_positions:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={n} exceeds the model's "
-                             f"{self.max_positions} positions")
+                raise PayloadError("attention_mask has no 1: the model would see no token at all", "attention_mask")
+        self._check_length(len(ids), data.get("max_tokens", self.default_max_tokens))
         k = data.get("top_k")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise ValueError(f"top_k={k!r}: must be an int >= 0")
+            raise PayloadError(f"top_k={k!r}: must be an int >= 0", "top_k")
         p = data.get("top_p")
         if p is not None and (not is_finite_number(p) or not 0 < p <= 1):
-            raise ValueError(f"top_p={p!r}: must be a number in (0, 1]")
+            raise PayloadError(f"top_p={p!r}: must be a number in (0, 1]", "top_p")
         t = data.get("temperature")
         if t is not None and (not is_finite_number(t) or t < 0):
-            raise ValueError(f"temperature={t!r}: must be a finite number >= 0")
+            raise PayloadError(f"temperature={t!r}: must be a finite number >= 0", "temperature")
         seed = data.get("seed")
         if seed is not None and not is_valid_seed(seed):
-            raise ValueError(f"seed={seed!r}: must be an int in [0, 2**63)")
+            raise PayloadError(f"seed={seed!r}: must be an int in [0, 2**63)", "seed")
+
+    def _check_length(self, n_prompt: int, n: Any) -> None:
+        """The prompt and ``max_tokens`` new tokens must fit the model's positions (``max_tokens_limit``
+        bounds ``max_tokens`` only when the positions are unknown)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise PayloadError(f"max_tokens={n!r}: must be an int >= 1", "max_tokens")
+        limit = self.max_positions
+        if limit is None:
+            if n > self.max_tokens_limit:
+                raise PayloadError(f"max_tokens={n}: must be at most {self.max_tokens_limit}", "max_tokens")
+            return
+        if n_prompt >= limit:
+            raise PayloadError(f"the prompt has {n_prompt} tokens and the model has {limit} positions: it must "
+                               f"leave room for at least one new token (at most {limit - 1} prompt tokens)",
+                               "input_ids")
+        if n_prompt + n > limit:
+            raise PayloadError(f"max_tokens={n}: the prompt has {n_prompt} tokens and the model has {limit} "
+                               f"positions, so max_tokens must be at most {limit - n_prompt}", "max_tokens")
 
     # ---- batching ------------------------------------------------------------
     @staticmethod

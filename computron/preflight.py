@@ -14,6 +14,7 @@ instead of later as a worker's traceback:
   named shape of ``zoo.random_causal_lm``);
 - ``device='cuda'`` / ``backend='nccl'`` without CUDA, or fewer GPUs than workers on this node;
 - a fixed ``master_port`` already in use (spawn mode, the node that hosts the rendezvous);
+  ``reserve_port`` does the same for a server's HTTP port (``computron serve``), and holds it;
 - a ``model_fn``, keyword argument, ``tp_plan`` or batch manager that cannot be
   pickled (spawn mode sends them to the workers).
 
@@ -106,16 +107,41 @@ def _check_device(config: EngineConfig, n_workers: int, n_nodes: int, attach: bo
                              "(lower tp_world_size * pp_world_size, or CUDA_VISIBLE_DEVICES)")
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound (not listening) to ``host:port`` with SO_REUSEADDR, as servers bind theirs: it
+    fails only where a socket already listens, not for connections lingering in TIME_WAIT."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def _check_port(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds it
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PreflightError(f"EngineConfig.master_port={port}: already in use on {host}; pick another "
-                                     "port, or master_port=0 for a free one (single node)") from None
-            # another address family or a remote host name: the rendezvous will tell
+    try:
+        _bind(host, port).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PreflightError(f"EngineConfig.master_port={port}: already in use on {host}; pick another "
+                                 "port, or master_port=0 for a free one (single node)") from None
+        # another address family or a remote host name: the rendezvous will tell
+
+
+def reserve_port(host: str, port: int, field: str = "port") -> socket.socket:
+    """A server's listening address, bound now (before any worker starts) and held: the caller listens on
+    the returned socket once it is ready to serve, so nothing can take the port meanwhile. A port in use
+    or an address this host cannot bind raises ``PreflightError`` naming ``field``."""
+    try:
+        return _bind(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PreflightError(f"{field}={port}: port {port} on {host} is already in use; pick another, or "
+                                 "0 for a free one") from None
+        raise PreflightError(f"{field}={port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 # ---- models ----------------------------------------------------------------------

@@ -27,6 +27,10 @@ JPEG, ... or their base64 text), decoded with PIL and preprocessed with the
 checkpoint's image processor. Answer: ``{"label", "score", "labels", "logits"}``
 with the ``top_k`` (default 5) best labels.
 
+``validate`` (run by the engine at submit time) raises ``PayloadError`` whose
+``param`` names the bad field; images are decoded whole there, so a truncated
+or corrupt file fails its own request at once, not a batch.
+
 ``for_checkpoint(path)`` builds each manager from a checkpoint directory's
 ``config.json``, tokenizer files and ``preprocessor_config.json``, local files only.
 """
@@ -40,6 +44,7 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
+from .errors import PayloadError
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
@@ -52,17 +57,17 @@ def _int_list(data: Dict[str, Any], key: str) -> List[int]:
         if v.dim() == 2 and v.shape[0] == 1:
             v = v[0]
         if v.dim() != 1 or v.dtype.is_floating_point or v.dtype == torch.bool:
-            raise ValueError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}")
+            raise PayloadError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}", key)
         return v.tolist()
     if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise ValueError(f"{key} must be a list of ints or a 1-D integer tensor")
+        raise PayloadError(f"{key} must be a list of ints or a 1-D integer tensor", key)
     return list(v)
 
 
 def _check_int(data: Dict[str, Any], key: str, lo: int = 1) -> None:
     v = data.get(key)
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-        raise ValueError(f"{key}={v!r}: must be an int >= {lo}")
+        raise PayloadError(f"{key}={v!r}: must be an int >= {lo}", key)
 
 
 def _labels(id2label: Optional[Dict[Any, str]], n: Optional[int]) -> List[str]:
@@ -156,41 +161,43 @@ class _TextBatching(BatchManager):
             raise TypeError(f"a request is a dict with 'input_ids' or 'text', got {type(data).__name__}")
         unknown = set(data) - set(_TEXT_FIELDS) - set(self._extra_fields)
         if unknown:
-            raise ValueError(f"unknown request fields {sorted(unknown)}")
+            raise PayloadError(f"unknown request fields {sorted(unknown)}", sorted(unknown)[0])
         if ("input_ids" in data) == ("text" in data):
-            raise ValueError("exactly one of 'input_ids' and 'text' is required")
+            raise PayloadError("exactly one of 'input_ids' and 'text' is required")
         if "text" in data:
             if self.tokenizer is None:
-                raise ValueError("text: this model's checkpoint has no tokenizer; send input_ids")
+                raise PayloadError("text: this model's checkpoint has no tokenizer; send input_ids", "text")
             for key in ("text", "text_pair"):
                 if key in data and (not isinstance(data[key], str) or not data[key]):
-                    raise ValueError(f"{key} must be a non-empty string")
+                    raise PayloadError(f"{key} must be a non-empty string", key)
             for key in ("attention_mask", "token_type_ids"):
                 if key in data:
-                    raise ValueError(f"{key} goes with input_ids, not with text")
+                    raise PayloadError(f"{key} goes with input_ids, not with text", key)
         else:
             if "text_pair" in data:
-                raise ValueError("text_pair goes with text, not with input_ids")
+                raise PayloadError("text_pair goes with text, not with input_ids", "text_pair")
             ids = _int_list(data, "input_ids")
             if not ids:
-                raise ValueError("input_ids is empty")
+                raise PayloadError("input_ids is empty", "input_ids")
             if min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
-                raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} "
-                                 f"max {max(ids)}")
+                raise PayloadError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} "
+                                   f"max {max(ids)}", "input_ids")
             if self.max_length is not None and len(ids) > self.max_length:
-                raise ValueError(f"input_ids has {len(ids)} tokens; the model takes at most {self.max_length}")
+                raise PayloadError(f"input_ids has {len(ids)} tokens; the model takes at most {self.max_length}",
+                                   "input_ids")
             if "attention_mask" in data:
                 mask = _int_list(data, "attention_mask")
                 if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-                    raise ValueError("attention_mask must be 0/1 values of the same length as input_ids")
+                    raise PayloadError("attention_mask must be 0/1 values of the same length as input_ids",
+                                       "attention_mask")
                 if not any(mask):
-                    raise ValueError("attention_mask hides every token")
+                    raise PayloadError("attention_mask hides every token", "attention_mask")
             if "token_type_ids" in data:
                 tt = _int_list(data, "token_type_ids")
                 if len(tt) != len(ids):
-                    raise ValueError("token_type_ids must have the same length as input_ids")
+                    raise PayloadError("token_type_ids must have the same length as input_ids", "token_type_ids")
                 if tt and (min(tt) < 0 or (self.type_vocab_size is not None and max(tt) >= self.type_vocab_size)):
-                    raise ValueError(f"token_type_ids must lie in [0, {self.type_vocab_size})")
+                    raise PayloadError(f"token_type_ids must lie in [0, {self.type_vocab_size})", "token_type_ids")
         self._validate_extra(data)
 
     def _validate_extra(self, data: Dict[str, Any]) -> None:
@@ -326,7 +333,7 @@ class EmbeddingBatchManager(_TextBatching):
     def _validate_extra(self, data: Dict[str, Any]) -> None:
         v = data.get("normalize")
         if v is not None and not isinstance(v, bool):
-            raise ValueError(f"normalize={v!r}: must be true or false")
+            raise PayloadError(f"normalize={v!r}: must be true or false", "normalize")
 
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         taken = self._take(q)
@@ -389,13 +396,13 @@ class ImageClassificationBatchManager(BatchManager):
             try:
                 v = base64.b64decode(v, validate=True)
             except ValueError:
-                raise ValueError("image: a string must be base64-encoded image bytes") from None
+                raise PayloadError("image: a string must be base64-encoded image bytes", "image") from None
         if not isinstance(v, (bytes, bytearray)):
-            raise ValueError(f"image must be bytes or base64 text, got {type(v).__name__}")
+            raise PayloadError(f"image must be bytes or base64 text, got {type(v).__name__}", "image")
         if not v:
-            raise ValueError("image is empty")
+            raise PayloadError("image is empty", "image")
         if len(v) > self.max_image_bytes:
-            raise ValueError(f"image has {len(v)} bytes; at most {self.max_image_bytes} are taken")
+            raise PayloadError(f"image has {len(v)} bytes; at most {self.max_image_bytes} are taken", "image")
         return bytes(v)
 
     def _pixels(self, v: Any) -> torch.Tensor:
@@ -403,17 +410,17 @@ class ImageClassificationBatchManager(BatchManager):
             try:
                 v = torch.tensor(v, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError):
-                raise ValueError("pixel_values must be a tensor or nested lists of numbers") from None
+                raise PayloadError("pixel_values must be a tensor or nested lists of numbers", "pixel_values") from None
         if v.dim() == 4 and v.shape[0] == 1:
             v = v[0]
         if not (v.dtype.is_floating_point or v.dtype in (torch.uint8, torch.int64, torch.int32)):
-            raise ValueError(f"pixel_values must hold numbers, got {v.dtype}")
+            raise PayloadError(f"pixel_values must hold numbers, got {v.dtype}", "pixel_values")
         if tuple(v.shape) != self.shape:
-            raise ValueError(f"pixel_values has shape {tuple(v.shape)}; the model takes {self.shape} "
-                             "(channels, height, width)")
+            raise PayloadError(f"pixel_values has shape {tuple(v.shape)}; the model takes {self.shape} "
+                               "(channels, height, width)", "pixel_values")
         v = v.float()
         if not torch.isfinite(v).all():
-            raise ValueError("pixel_values has NaN or infinite values")
+            raise PayloadError("pixel_values has NaN or infinite values", "pixel_values")
         return v
 
     def validate(self, data: Any) -> None:
@@ -421,27 +428,32 @@ class ImageClassificationBatchManager(BatchManager):
             raise TypeError(f"an image request is a dict with 'pixel_values' or 'image', got {type(data).__name__}")
         unknown = set(data) - {"pixel_values", "image", "top_k"}
         if unknown:
-            raise ValueError(f"unknown request fields {sorted(unknown)}")
+            raise PayloadError(f"unknown request fields {sorted(unknown)}", sorted(unknown)[0])
         if ("pixel_values" in data) == ("image" in data):
-            raise ValueError("exactly one of 'pixel_values' and 'image' is required")
+            raise PayloadError("exactly one of 'pixel_values' and 'image' is required")
         _check_int(data, "top_k")
         if "pixel_values" in data:
             self._pixels(data["pixel_values"])
             return
         if self.processor is None:
-            raise ValueError("image: this model's checkpoint has no image processor; send pixel_values")
-        raw = self._image_bytes(data["image"])
-        from PIL import Image, UnidentifiedImageError
+            raise PayloadError("image: this model's checkpoint has no image processor; send pixel_values", "image")
+        self._decode(self._image_bytes(data["image"]))
+
+    @staticmethod
+    def _decode(raw: bytes):
+        """The whole image decoded (a truncated or corrupt file fails here, at submit time, not in a batch)."""
+        from PIL import Image
         try:
-            Image.open(io.BytesIO(raw))  # reads the header only
-        except (UnidentifiedImageError, OSError):
-            raise ValueError("image: the bytes are no image PIL can read") from None
+            img = Image.open(io.BytesIO(raw))
+            img.load()
+        except Exception as exc:  # noqa: BLE001 - OSError, SyntaxError, DecompressionBombError, ... by format
+            raise PayloadError(f"image: the bytes are no image PIL can read ({type(exc).__name__}: {exc})",
+                               "image") from None
+        return img
 
     # ---- batching ------------------------------------------------------------
     def _preprocess(self, raw: bytes) -> torch.Tensor:
-        from PIL import Image
-        img = Image.open(io.BytesIO(raw))
-        img = img.convert("RGB" if self.shape[0] == 3 else "L")
+        img = self._decode(raw).convert("RGB" if self.shape[0] == 3 else "L")
         pv = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
         if tuple(pv.shape) != self.shape:
             raise ValueError(f"image processor made shape {tuple(pv.shape)}; the model takes {self.shape}")

@@ -229,3 +229,24 @@ def test_launch_inside_a_running_loop_warns(caplog):
     with caplog.at_level("WARNING", logger="computron"):
         asyncio.run(main())
     assert any("asyncio.to_thread(LaunchEngine" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_cli_help_imports_neither_torch_nor_transformers():
+    """`computron --help` answers at once: the CLI's import path is lazy, and the package's names still
+    import on first use."""
+    check = ("import sys, computron, computron.server, computron.server.cli; "
+             "heavy = [m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules]; "
+             "assert not heavy, heavy; assert computron.__version__; "
+             "from computron import LaunchEngine, EngineConfig, PayloadError; "
+             "from computron.server import create_app; assert 'torch' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cmds = [[sys.executable, "-m", "computron", "--help"], [sys.executable, "-m", "computron", "serve", "--help"]]
+    script = os.path.join(VENV_BIN, "computron")  # the console script `make setup` installs
+    if os.path.exists(script):
+        cmds.append([script, "--help"])
+    for cmd in cmds:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "exit status" in proc.stdout.lower(), (cmd, proc.stdout, proc.stderr)

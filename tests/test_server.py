@@ -8,6 +8,9 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -18,7 +21,7 @@ import psutil
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import ServerProcess, StubEngineBase, app_in_thread, write_checkpoints
+from serve_helpers import REPO, ServerProcess, StubEngineBase, app_in_thread, write_checkpoints
 from transformers import AutoTokenizer
 
 from computron import zoo
@@ -215,6 +218,7 @@ def test_models_health_and_states(server, client, http):
     client.completions.create(model="m2", prompt="x", max_tokens=2, temperature=0)
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {"m0", "m1", "m2", "nochat", "q"}
+    assert client.models.retrieve("m2").model_dump()["state"] == "resident"
     body = http.get("/v1/models").json()
     states = {m["id"]: m["state"] for m in body["data"]}
     assert states["m2"] == "resident" and all(states[m] == "offloaded" for m in ("m0", "m1", "nochat", "q"))
@@ -254,7 +258,12 @@ def test_error_statuses_in_openai_shape(server, http, client):
     _check_error(http.post("/v1/completions", json={"model": "m0"}), 400, "prompt")
     _check_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
                  400)
-    _check_error(http.post("/v1/completions", json={**body, "max_tokens": 5000}), 400)  # the engine refuses it
+    # the engine refuses these: param names the request's field, the message carries no engine prefix
+    err = _check_error(http.post("/v1/completions", json={**body, "max_tokens": 5000}), 400, "max_tokens")
+    assert err["message"].startswith("max_tokens=5000: the prompt has ") and "2048 positions" in err["message"]
+    err = _check_error(http.post("/v1/completions", json={"model": "m0", "prompt": [5] * 2048}), 400, "prompt")
+    assert "malformed" not in err["message"] and "'m0'" not in err["message"], err
+    _check_error(http.post("/v1/completions", json={**body, "prompt": [5, 9999]}), 400, "prompt")
     _check_error(http.post("/v1/chat/completions", json={"model": "nochat", "messages": [
         {"role": "user", "content": "hi"}]}), 400, "messages", "chat_template_missing")
     _check_error(http.post("/v1/chat/completions", json={"model": "m0", "messages": []}), 400, "messages")
@@ -373,7 +382,7 @@ def test_metrics_parse_and_count_the_requests_sent(server, client, http):
     assert metric(after, "computron_e2e_request_latency_seconds_count", model="m0") - metric(
         before, "computron_e2e_request_latency_seconds_count", model="m0") == 2
     assert metric(after, "computron_time_to_first_token_seconds_count", model="m0") - metric(
-        before, "computron_time_to_first_token_seconds_count", model="m0") == 1
+        before, "computron_time_to_first_token_seconds_count", model="m0") == 2  # streamed or not
     assert metric(after, "computron_resident_models") == 1
     assert metric(after, "computron_model_resident", model="m0") == 1
     assert metric(after, "computron_queue_depth", model="m1") == 0
@@ -489,6 +498,8 @@ def test_bad_config_fails_before_any_worker_starts(ckpts, tmp_path, capsys):
         (["serve", ckpts["m0"], "--max-loaded", "0"], "engine.max_loaded"),
         (["serve", str(tmp_path)], "no config.json"),
         (["serve"], "no models"),
+        (["serve", ckpts["m0"], "--tp", "3", "--port", "0"], "num_attention_heads=4, not divisible by "
+                                                            "tp_world_size=3"),
     ]
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"models: [{{id: a, path: {ckpts['m0']}}}]\nengine: {{max_loded: 2}}\n")
@@ -506,6 +517,21 @@ def test_bad_config_fails_before_any_worker_starts(ckpts, tmp_path, capsys):
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, (argv, err)
         assert not {p.pid for p in me.children(recursive=True)} - before, "a worker started for a bad config"
+
+
+def test_port_in_use_fails_before_any_worker_starts(ckpts, tmp_path):
+    """The HTTP port is bound in preflight, before the tokenizers and the workers: taken, it ends the
+    command at once with exit code 2 and one line naming it."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "computron", "serve", ckpts["m0"], "--port", str(port)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and not proc.stdout, proc.stderr
+    assert f"server.port={port}: port {port} on 127.0.0.1 is already in use" in proc.stderr, proc.stderr
+    assert "starting" not in proc.stderr and "worker" not in proc.stderr, proc.stderr
 
 
 def test_full_config_file_maps_onto_engine_and_server_settings(ckpts, tmp_path):

@@ -95,6 +95,11 @@ def png_b64(seed, size=(40, 28)):
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def truncated_png_b64(seed):
+    raw = base64.b64decode(png_b64(seed))
+    return base64.b64encode(raw[:len(raw) // 2]).decode()
+
+
 def tensor(name, datatype, shape, data):
     return {"name": name, "datatype": datatype, "shape": shape, "data": data}
 
@@ -229,6 +234,8 @@ def test_bad_tensors_answer_400_naming_the_input(http):
         ("sentiment", [{"name": "text", "datatype": "BYTES", "data": ["a"]}], "'text'"),  # no shape
         ("vit", [tensor("pixel_values", "FP32", [1, 3, 16, 16], [0.0] * 768)], "'pixel_values'"),
         ("vit", [tensor("image", "BYTES", [1], ["bm90IGFuIGltYWdl"])], "'image'"),  # base64, but no image
+        ("vit", [tensor("image", "BYTES", [2], [png_b64(1), truncated_png_b64(2)])],
+         "input 'image': row 1: the bytes are no image PIL can read"),  # a PNG cut short: refused at submit
         ("vit", [good], "'text'"),
     ]
     for model, inputs, needle in cases:

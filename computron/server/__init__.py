@@ -1,6 +1,12 @@
-"""`computron serve`: an OpenAI-compatible HTTP server in front of the engine (text in, text out)."""
-from .app import create_app
-from .config import ConfigError, ServeConfig
-from .text import IncrementalDetokenizer, ModelText, TextStream
+"""`computron serve`: an OpenAI-compatible HTTP server in front of the engine (text in, text out).
 
-__all__ = ["create_app", "ConfigError", "ServeConfig", "ModelText", "IncrementalDetokenizer", "TextStream"]
+The names below are imported on first use, so ``computron --help`` (``computron.server.cli``) does not
+pay for FastAPI, torch or transformers.
+"""
+from .. import _lazy_exports
+
+_EXPORTS = {".app": ("create_app",), ".config": ("ConfigError", "ServeConfig"),
+            ".text": ("ModelText", "IncrementalDetokenizer", "TextStream")}
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

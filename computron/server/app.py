@@ -5,8 +5,12 @@ Routes only call the engine's public API (``submit``, ``stream``, ``snapshot``,
 request picks the model; the engine queues it and swaps models in as needed.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> server-sent events)
-    GET  /v1/models             GET  /health                   GET /metrics (Prometheus)
+    GET  /v1/models             GET  /v1/models/{id}           GET /health        GET /metrics (Prometheus)
     GET  /                      the status page;  GET /api/status, GET /api/events?since=N feed it
+
+Errors answer in OpenAI's shape, or v2's under /v2, FastAPI's own 404/405/422 included (``errors.py``).
+With API keys set, /v1/* and /v2/models/* need one; /health, /metrics, the status page and its feeds, and
+/v2, /v2/health/* do not.
 
 Encoder and ViT models (``encoders``: classifiers, embeddings) answer the Open Inference Protocol
 (KServe v2: ``GET /v2/models/{name}``, ``.../ready``, ``POST .../infer``; parsing in ``v2.py``) and, for
@@ -28,17 +32,16 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from ..errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
-                      WorkerError)
+from ..errors import EngineDeadError, QueueFullError, UnknownModelError
 from .config import ServerSettings
+from .errors import APIError, api_error, bad, dumps, install_handlers, json_response
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .text import ChatTemplateError, ModelText, TextStream
+from .text import ModelText, TextStream
 from . import v2
 
 log = logging.getLogger("computron.server")
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 # Fields accepted with their effect, and fields accepted only at their OpenAI default (no effect).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
@@ -53,61 +56,18 @@ _DEFAULT_ONLY = {
 }
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> Response:
-        return Response(_dumps(self.body()), status_code=self.status, media_type="application/json",
-                        headers=self.headers)
-
-
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def api_error(exc: BaseException) -> APIError:
-    """The HTTP answer for an engine or text error."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, UnknownModelError):
-        return APIError(404, str(exc), "invalid_request_error", "model", "model_not_found")
-    if isinstance(exc, ChatTemplateError):
-        return APIError(400, str(exc), "invalid_request_error", "messages", "chat_template_missing")
-    if isinstance(exc, PayloadError):
-        return APIError(400, str(exc), "invalid_request_error", None, "invalid_payload")
-    if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
-    if isinstance(exc, RequestTimeoutError):
-        return APIError(504, str(exc), "timeout_error", None, "request_timeout")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
-    if isinstance(exc, WorkerError):
-        return APIError(500, str(exc), "server_error", None, "worker_error")
-    log.exception("unexpected error", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
-
-
 # ---- request parsing -----------------------------------------------------------
-
-def _bad(param: str, message: str) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, "invalid_value")
-
 
 def _number(body, name, lo, hi, lo_open=False):
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v > hi or v < lo or (lo_open and v == lo):
-        raise _bad(name, f"{name}={v!r}: must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+        raise bad(name, f"{name}={v!r}: must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
     return float(v)
 
 
@@ -116,7 +76,7 @@ def _int(body, name, lo):
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _bad(name, f"{name}={v!r}: must be an integer >= {lo}")
+        raise bad(name, f"{name}={v!r}: must be an integer >= {lo}")
     return v
 
 
@@ -128,23 +88,23 @@ class Params:
 
 def parse_common(body: Any, allowed: set) -> Params:
     if not isinstance(body, dict):
-        raise _bad(None, "the request body must be a JSON object")
+        raise bad(None, "the request body must be a JSON object")
     for k, v in body.items():
         if k in allowed:
             continue
         if k in _DEFAULT_ONLY:
             if v in _DEFAULT_ONLY[k]:
                 continue
-            raise _bad(k, f"{k}={v!r} is not supported by this server")
-        raise _bad(k, f"unsupported field {k!r}")
+            raise bad(k, f"{k}={v!r} is not supported by this server")
+        raise bad(k, f"unsupported field {k!r}")
     p = Params()
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model", "model: a model id (string) is required")
+        raise bad("model", "model: a model id (string) is required")
     p.model = model
     n = body.get("n")
     if n is not None and n != 1:
-        raise _bad("n", f"n={n!r}: only n=1 is supported")
+        raise bad("n", f"n={n!r}: only n=1 is supported")
     p.max_tokens = _int(body, "max_tokens", 1)
     if p.max_tokens is None and "max_completion_tokens" in allowed:
         p.max_tokens = _int(body, "max_completion_tokens", 1)
@@ -154,7 +114,7 @@ def parse_common(body: Any, allowed: set) -> Params:
     p.top_k = _int(body, "top_k", 0)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad("seed", f"seed={seed!r}: must be an integer")
+        raise bad("seed", f"seed={seed!r}: must be an integer")
     p.seed = seed
     stop = body.get("stop")
     if stop is None:
@@ -164,16 +124,16 @@ def parse_common(body: Any, allowed: set) -> Params:
     elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
         p.stop = [s for s in stop if s]
     else:
-        raise _bad("stop", "stop: must be a string or a list of at most 4 strings")
+        raise bad("stop", "stop: must be a string or a list of at most 4 strings")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _bad("stream", f"stream={stream!r}: must be true or false")
+        raise bad("stream", f"stream={stream!r}: must be true or false")
     p.stream = stream
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
-        raise _bad("stream_options", "stream_options: must be an object")
+        raise bad("stream_options", "stream_options: must be an object")
     p.include_usage = bool((so or {}).get("include_usage", False))
     return p
 
@@ -186,27 +146,36 @@ def _prompt_ids(text: ModelText, prompt: Any) -> List[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad("prompt", "prompt: one prompt per request (a batch of prompts is not supported)")
-    raise _bad("prompt", "prompt: must be a non-empty string or a list of token ids")
+        raise bad("prompt", "prompt: one prompt per request (a batch of prompts is not supported)")
+    raise bad("prompt", "prompt: must be a non-empty string or a list of token ids")
+
+
+def _request_names(body: Any, chat: bool) -> Dict[str, str]:
+    """The request's names of the engine's fields (``input_ids`` is the prompt or the messages), for the
+    ``param`` of an error the engine raised."""
+    names = {"input_ids": "messages" if chat else "prompt"}
+    if chat and isinstance(body, dict) and body.get("max_tokens") is None and "max_completion_tokens" in body:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
 
 
 def _messages(messages: Any) -> List[Dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "messages: must be a non-empty list of {role, content}")
+        raise bad("messages", "messages: must be a non-empty list of {role, content}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}]", f"messages[{i}]: must be an object with a string role")
+            raise bad(f"messages[{i}]", f"messages[{i}]: must be an object with a string role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
+                    raise bad(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content", f"messages[{i}].content: must be a string")
+            raise bad(f"messages[{i}].content", f"messages[{i}].content: must be a string")
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -241,6 +210,11 @@ class ServerState:
         tok = token.strip().encode()
         if not any(hmac.compare_digest(tok, k) for k in self._keys):
             raise APIError(401, "incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+
+    def model_object(self, model: str, snap: Dict[str, Any]) -> Dict[str, Any]:
+        """OpenAI's model object, with the engine's ``state`` and the checkpoint path as ``root``."""
+        return {"id": model, "object": "model", "created": int(self.started), "owned_by": "computron",
+                "state": _openai_state(snap.get(model, {})), "root": self.paths[model]}
 
     def check_serving(self) -> None:
         if self.draining:
@@ -327,8 +301,17 @@ async def _unless_disconnected(request: Request, aw):
         watcher.cancel()
 
 
+async def read_json(request: Request, error=lambda msg: bad(None, msg)) -> Any:
+    """The request's JSON body; ``error(message)`` makes the exception raised when it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise error(f"the request body is not valid JSON: {exc}") from None
+
+
 def _sse(obj: Dict[str, Any]) -> bytes:
-    return b"data: " + _dumps(obj).encode() + b"\n\n"
+    return b"data: " + dumps(obj).encode() + b"\n\n"
 
 
 def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSettings] = None,
@@ -354,14 +337,8 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
 
     app = FastAPI(title="computron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.computron = state
+    install_handlers(app)
     timeout = settings.request_timeout_s
-
-    async def read_body(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise _bad(None, f"the request body is not valid JSON: {exc}") from None
 
     def finish_reason(ts: TextStream, last: Optional[int], n: int, max_tokens: int, text: ModelText) -> str:
         """'stop' for a stop string or an EOS (the engine ends a sequence short of max_tokens only at one of
@@ -372,14 +349,10 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
 
     async def generate(request: Request, p: Params, text: ModelText, data: Dict[str, Any],
                        t0: float) -> Tuple[TextStream, Optional[int], float]:
-        """The whole answer of a non-streamed request: (text stream, last token id, TTFT or -1)."""
+        """The whole answer of a non-streamed request: (text stream, last token id, TTFT). Tokens are
+        taken as the engine makes them, which times the first one and stops the sequence at a stop
+        string."""
         ts = TextStream(text, data["input_ids"], p.stop)
-        if not p.stop:
-            ids = (await _unless_disconnected(request, engine.submit(p.model, data, timeout=timeout))).tolist()
-            for t in ids:
-                ts.push(t)
-            ts.finish()
-            return ts, (ids[-1] if ids else None), -1.0
 
         async def run():
             last, ttft = None, -1.0
@@ -400,10 +373,10 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
 
     async def handle(request: Request, endpoint: str, chat: bool):
         t0 = time.perf_counter()
-        model = "_unknown"
+        model, body = "_unknown", None
         try:
             state.check_auth(request)
-            body = await read_body(request)
+            body = await read_json(request)
             if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] in texts:
                 model = body["model"]  # the label of this request's metrics, whatever else is wrong with it
             p = parse_common(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
@@ -412,7 +385,7 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
                 prompt_ids = text.chat_ids(_messages(body.get("messages")))
             else:
                 if "prompt" not in body:
-                    raise _bad("prompt", "prompt: required")
+                    raise bad("prompt", "prompt: required")
                 prompt_ids = _prompt_ids(text, body["prompt"])
             state.check_serving()
             state.check_queue(model)
@@ -425,7 +398,7 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
             log.debug("%s %s: client disconnected after %.1f ms", endpoint, model, (time.perf_counter() - t0) * 1e3)
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
-            err = api_error(exc)
+            err = api_error(exc, _request_names(body, chat))
             state.metrics.request_done(model, endpoint, err.status)
             log.debug("%s %s: %d %s (%.1f ms)", endpoint, model, err.status, err.message,
                       (time.perf_counter() - t0) * 1e3)
@@ -446,12 +419,9 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
         m = state.metrics
         m.request_done(model, endpoint, 200)
         m.tokens(model, n_prompt, n_out)
-        if ttft >= 0:
-            m.latency(model, ttft, e2e, n_out)
-        else:
-            m.e2e.labels(model).observe(e2e)
+        m.latency(model, ttft, e2e, n_out)
         log.debug("%s %s: 200, %d+%d tokens, %.1f ms", endpoint, model, n_prompt, n_out, e2e * 1e3)
-        return Response(_dumps(out), media_type="application/json")
+        return json_response(out)
 
     async def start_stream(request: Request, endpoint: str, chat: bool, p: Params, text: ModelText,
                            data: Dict[str, Any], t0: float):
@@ -541,19 +511,26 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
         except APIError as err:
             return err.response()
         snap = engine.snapshot()["models"]
-        data = [{"id": m, "object": "model", "created": int(state.started), "owned_by": "computron",
-                 "state": _openai_state(snap.get(m, {})), "root": path} for m, path in state.paths.items()]
-        return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
+        return json_response({"object": "list", "data": [state.model_object(m, snap) for m in state.paths]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str, request: Request):
+        try:
+            state.check_auth(request)
+            if model_id not in state.paths:
+                raise UnknownModelError(model_id, state.paths)
+        except Exception as exc:  # noqa: BLE001 - 401 or 404 in OpenAI's shape
+            return api_error(exc).response()
+        return json_response(state.model_object(model_id, engine.snapshot()["models"]))
 
     @app.get("/health")
     async def health():
         if state.draining:
-            return Response(_dumps({"status": "shutting_down"}), status_code=503, media_type="application/json")
+            return json_response({"status": "shutting_down"}, 503)
         if not engine.is_alive:
             reason = engine.snapshot().get("dead_reason")
-            return Response(_dumps({"status": "dead", "reason": reason}), status_code=503,
-                            media_type="application/json")
-        return Response(_dumps({"status": "ok"}), media_type="application/json")
+            return json_response({"status": "dead", "reason": reason}, 503)
+        return json_response({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics():
@@ -572,21 +549,16 @@ def create_app(engine, texts: Dict[str, ModelText], settings: Optional[ServerSet
             models.append({"id": m, "state": _state_name(s), "engine_state": s.get("state"), "tier": s.get("tier"),
                            "waiting": s.get("waiting", 0), "running": s.get("running", 0),
                            "last_load": s.get("last_load"), "last_offload": s.get("last_offload")})
-        return Response(_dumps({"alive": snap.get("alive", engine.is_alive), "dead_reason": snap.get("dead_reason"),
-                                "draining": state.draining, "time": time.time(), "models": models}),
-                        media_type="application/json")
+        return json_response({"alive": snap.get("alive", engine.is_alive), "dead_reason": snap.get("dead_reason"),
+                              "draining": state.draining, "time": time.time(), "models": models})
 
     @app.get("/api/events")
     async def events(since: int = 0):
         cursor, evs = engine.events(since)
-        return Response(_dumps({"next": cursor, "events": evs}), media_type="application/json")
+        return json_response({"next": cursor, "events": evs})
 
     v2_routes(app, state, timeout)
     return app
-
-
-def _v2_response(body: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
-    return Response(_dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
 def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
@@ -595,14 +567,8 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
     engine, encoders = state.engine, state.encoders
 
     def v2_fail(exc: BaseException) -> Response:
-        err = v2.v2_error(exc)
-        if err is None:
-            if isinstance(exc, APIError):
-                err = v2.V2Error(exc.status, exc.message, exc.headers)
-            else:
-                log.exception("unexpected error", exc_info=exc)
-                err = v2.V2Error(500, f"internal error: {type(exc).__name__}: {exc}")
-        return _v2_response({"error": err.message}, err.status, err.headers)
+        err = v2.v2_error(exc) or api_error(exc)  # the v2 wording of engine errors, else the OpenAI one's
+        return json_response({"error": err.message}, err.status, err.headers)
 
     def v2_model(name: str) -> "v2.UnderstandingModel":
         m = encoders.get(name)
@@ -615,16 +581,16 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
 
     @app.get("/v2")
     async def v2_server_metadata():
-        return _v2_response({"name": "computron", "version": "1", "extensions": []})
+        return json_response({"name": "computron", "version": "1", "extensions": []})
 
     @app.get("/v2/health/live")
     async def v2_live():
-        return _v2_response({"live": True})
+        return json_response({"live": True})
 
     @app.get("/v2/health/ready")
     async def v2_ready():
         ok = engine.is_alive and not state.draining
-        return _v2_response({"ready": ok}, 200 if ok else 503)
+        return json_response({"ready": ok}, 200 if ok else 503)
 
     @app.get("/v2/models/{name:path}/ready")
     async def v2_model_ready(name: str, request: Request):
@@ -634,7 +600,7 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
             state.check_serving()
         except Exception as exc:  # noqa: BLE001
             return v2_fail(exc)
-        return _v2_response({"name": name, "ready": True})
+        return json_response({"name": name, "ready": True})
 
     @app.get("/v2/models/{name:path}")  # registered second: the versions route must match first
     @app.get("/v2/models/{name:path}/versions/{version}")
@@ -646,7 +612,7 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
                 raise v2.V2Error(404, f"model {name!r} has no version {version!r}; versions: ['1']")
         except Exception as exc:  # noqa: BLE001
             return v2_fail(exc)
-        return _v2_response(m.metadata())
+        return json_response(m.metadata())
 
     async def submit_all(request: Request, model: str, rows: List[Dict[str, Any]]) -> List[Any]:
         """One engine request per row, all in flight together (the batch manager batches them); a failure
@@ -661,13 +627,6 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
                         t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         return await _unless_disconnected(request, all_rows())
-
-    async def read_json(request: Request, bad) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise bad(f"the request body is not valid JSON: {exc}") from None
 
     @app.post("/v2/models/{name:path}/infer")
     @app.post("/v2/models/{name:path}/versions/{version}/infer")
@@ -698,7 +657,7 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
         state.metrics.request_done(label, "v2_infer", 200)
         state.metrics.e2e.labels(label).observe(e2e)
         log.debug("v2 infer %s: 200, %d rows, %.1f ms", name, len(rows), e2e * 1e3)
-        return _v2_response(out)
+        return json_response(out)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -706,26 +665,26 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
         label = "_unknown"
         try:
             state.check_auth(request)
-            body = await read_json(request, lambda msg: _bad(None, msg))
+            body = await read_json(request)
             if not isinstance(body, dict):
-                raise _bad(None, "the request body must be a JSON object")
+                raise bad(None, "the request body must be a JSON object")
             model = body.get("model")
             if not isinstance(model, str) or not model:
-                raise _bad("model", "model: a model id (string) is required")
+                raise bad("model", "model: a model id (string) is required")
             m = encoders.get(model)
             if m is None:
                 if model in state.texts:
-                    raise _bad("model", f"model {model!r} is a text-generation model and serves no embeddings")
+                    raise bad("model", f"model {model!r} is a text-generation model and serves no embeddings")
                 raise UnknownModelError(model, state.paths)
             label = model
             if m.kind != v2.EMBEDDING:
-                raise _bad("model", f"model {model!r} is a {m.kind} model and serves no embeddings (serve its "
+                raise bad("model", f"model {model!r} is a {m.kind} model and serves no embeddings (serve its "
                                     f"checkpoint with task: embedding); use /v2/models/{model}/infer")
             try:
                 rows, counts, fmt = v2.parse_embeddings(m, body)
             except ValueError as exc:
                 param, msg = exc.args
-                raise _bad(param, msg) from None
+                raise bad(param, msg) from None
             state.check_serving()
             state.check_queue(model)
             answers = await submit_all(request, model, rows)
@@ -733,7 +692,7 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
             state.metrics.request_done(label, "embeddings", 499)
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
-            err = api_error(exc)
+            err = api_error(exc, {"input_ids": "input", "text": "input"})
             state.metrics.request_done(label, "embeddings", err.status)
             return err.response()
         e2e = time.perf_counter() - t0
@@ -743,4 +702,4 @@ def v2_routes(app: FastAPI, state: ServerState, timeout: float) -> None:
         state.metrics.e2e.labels(label).observe(e2e)
         out = {"object": "list", "data": v2.embedding_data([a["embedding"] for a in answers], fmt),
                "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
-        return Response(_dumps(out), media_type="application/json")
+        return json_response(out)

@@ -8,10 +8,14 @@
 Encoder (bert, roberta, xlm-roberta) and ViT checkpoints are served over the Open
 Inference Protocol (/v2/models/ID/infer); embedding models also at /v1/embeddings.
 
-Everything is checked before any worker starts; a bad field or path ends the
-command with one line naming it (exit code 2). SIGTERM or SIGINT stops accepting
-connections, lets in-flight requests finish within ``shutdown_grace_s``, then
-stops the workers.
+Everything is checked before any worker starts: every field and path, the HTTP
+port (bound then, and held), and each model's shape against --tp and --pp. A
+mistake ends the command with one line naming it. SIGTERM or SIGINT stops
+accepting connections, lets in-flight requests finish within
+``shutdown_grace_s``, then stops the workers.
+
+torch, transformers and FastAPI are imported inside the functions that need
+them, so ``computron --help`` answers at once.
 """
 from __future__ import annotations
 
@@ -22,17 +26,22 @@ import signal
 import sys
 from typing import List, Optional
 
+from ..preflight import PreflightError, check, reserve_port
 from .config import (DTYPES, ConfigError, ServeConfig, from_mapping, load_file, model_entries_from_paths)
 
 log = logging.getLogger("computron.server")
 
+_EXIT_STATUS = ("exit status: 0 after a graceful stop (SIGTERM or SIGINT); 1 when the engine fails to\n"
+                "start (a worker's error, logged); 2 for a configuration error (a bad field or path, a\n"
+                "port in use, a shape --tp does not divide), found before any worker starts")
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="computron", description="Computron: serve many models by model-parallel "
-                                "swapping.")
+                                "swapping.", epilog=_EXIT_STATUS)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve local checkpoints over an OpenAI-compatible HTTP API",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, epilog=_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("checkpoints", nargs="*", metavar="[ID=]PATH",
                    help="checkpoint directories (the model id is the directory name unless ID= names it)")
     s.add_argument("--config", help="YAML config file (models, engine, server); flags given override it")
@@ -172,7 +181,18 @@ def _uvicorn_server(app, cfg: ServeConfig, on_signal):
     return Server(config)
 
 
-async def serve(cfg: ServeConfig, texts, max_positions, hf_configs, encoders=None) -> int:
+def prepare(cfg: ServeConfig):
+    """Tokenizers, batch managers and model configs of every model, checked against the engine's
+    preflight (shapes against TP and PP, devices, ...): ``(configs, texts, max_positions, encoders)``.
+    Raises ``ConfigError`` or ``PreflightError``; no worker has started."""
+    texts, max_positions, hf_configs, encoders = load_texts(cfg)
+    configs = model_configs(cfg, hf_configs, encoders)
+    check(cfg.engine, configs, cfg.tp, cfg.pp)
+    return configs, texts, max_positions, encoders
+
+
+async def serve(cfg: ServeConfig, sock, configs, texts, max_positions, encoders=None) -> int:
+    """Start the engine, then serve HTTP on ``sock`` (bound by ``preflight.reserve_port``) until a signal."""
     from ..errors import LaunchError
     from ..launch import LaunchEngine
     from .app import create_app
@@ -180,8 +200,7 @@ async def serve(cfg: ServeConfig, texts, max_positions, hf_configs, encoders=Non
     log.info("starting %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d", cfg.tp * cfg.pp, cfg.tp,
              cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path})" for m in cfg.models), cfg.engine.max_loaded)
     try:
-        engine = await asyncio.to_thread(LaunchEngine, cfg.engine, model_configs(cfg, hf_configs, encoders),
-                                       cfg.tp, cfg.pp)
+        engine = await asyncio.to_thread(LaunchEngine, cfg.engine, configs, cfg.tp, cfg.pp)
     except LaunchError as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
@@ -196,11 +215,16 @@ async def serve(cfg: ServeConfig, texts, max_positions, hf_configs, encoders=Non
         state.draining = True
     server = _uvicorn_server(app, cfg, on_signal)
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         await engine.shutdown()  # idempotent; the lifespan already did it on a normal stop
     log.info("stopped")
     return 0
+
+
+def _config_error(exc: Exception) -> int:
+    print(f"computron serve: error: {exc}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -211,11 +235,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = build_config(args)
         logging.getLogger("computron").setLevel(getattr(logging, cfg.server.log_level.upper()))
-        texts, max_positions, hf_configs, encoders = load_texts(cfg)
-    except ConfigError as exc:
-        print(f"computron serve: error: {exc}", file=sys.stderr)
-        return 2
-    return asyncio.run(serve(cfg, texts, max_positions, hf_configs, encoders))
+        sock = reserve_port(cfg.server.host, cfg.server.port, "server.port")
+    except (ConfigError, PreflightError) as exc:
+        return _config_error(exc)
+    with sock:  # held until the server listens on it, closed on every way out
+        try:
+            prepared = prepare(cfg)
+        except (ConfigError, PreflightError) as exc:
+            return _config_error(exc)
+        return asyncio.run(serve(cfg, sock, *prepared))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ A config file::
     server:
       host: 127.0.0.1
       port: 8000
-      api_keys: [sk-local-1]     # optional; then every /v1 request needs `Authorization: Bearer <key>`
+      api_keys: [sk-local-1]     # optional; then /v1/* and /v2/models/* need `Authorization: Bearer <key>`
       request_timeout_s: 600     # a request over this answers 504
       shutdown_grace_s: 30       # SIGTERM/SIGINT: how long in-flight requests may take to finish
 
@@ -68,9 +68,10 @@ class ServerSettings:
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8000
-    """Port to listen on (0 picks a free one and logs it)."""
+    """Port to listen on (0 picks a free one and logs it); bound before any worker starts."""
     api_keys: List[str] = field(default_factory=list)
-    """Accepted bearer tokens for /v1; empty means no authentication."""
+    """Accepted bearer tokens for /v1/* and /v2/models/* (not /health, /metrics, the status page, /v2 and
+    /v2/health/*); empty means no authentication."""
     request_timeout_s: float = 600.0
     """A request still unanswered after this long fails with 504."""
     shutdown_grace_s: float = 30.0

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (``GET /metrics``), on a registry of its own.
 
-Request metrics are observed by the routes; engine state (queue depth, running
+Request metrics are observed by the routes: time to first token and per output token for every
+answered completion, streamed or not (the routes take tokens as the engine makes them); engine state (queue depth, running
 sequences, resident models) and the engine's cumulative counters (swaps, swap
 seconds and bytes, preemptions, steps) are read from ``engine.snapshot()`` and
 ``engine.counters()`` at scrape time, so they cannot drift from the engine's own.

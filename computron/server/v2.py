@@ -26,8 +26,8 @@ Request ``parameters``: ``top_k`` (classifiers: labels per row, best first) and 
   INT64 ``[n]``;
 - embeddings: ``embedding`` FP32 ``[n, dim]``.
 
-Errors answer ``{"error": "..."}``: 400 a bad tensor (the message names the input), 404 an unknown model,
-429 queue full, 503 engine dead, 504 timeout.
+Errors answer ``{"error": "..."}``: 400 a bad tensor (``input 'image': row 0: ...``, naming the input),
+404 an unknown model or route, 405 a wrong method, 429 queue full, 503 engine dead, 504 timeout.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def v2_error(exc: BaseException) -> Optional[V2Error]:
     if isinstance(exc, UnknownModelError):
         return V2Error(404, str(exc))
     if isinstance(exc, PayloadError):
-        return V2Error(400, str(exc))
+        return V2Error(400, payload_message(exc))
     if isinstance(exc, QueueFullError):
         return V2Error(429, str(exc), {"Retry-After": "1"})
     if isinstance(exc, RequestTimeoutError):
@@ -75,6 +75,18 @@ def v2_error(exc: BaseException) -> Optional[V2Error]:
     if isinstance(exc, WorkerError):
         return V2Error(500, str(exc))
     return None
+
+
+def payload_message(exc: BaseException, row: Optional[int] = None, name: Optional[str] = None) -> str:
+    """A batch manager's objection as v2 words it: ``input 'image': row 0: ...`` naming the input the
+    error's ``param`` names (else ``name``), without the engine's ``model 'x': malformed request:`` prefix."""
+    name = getattr(exc, "param", None) or name
+    reason = getattr(exc, "reason", None) or str(exc)
+    if name is None:
+        return reason if row is None else f"row {row}: {reason}"
+    if reason.startswith(f"{name}: "):
+        reason = reason[len(name) + 2:]
+    return f"input {name!r}: " + ("" if row is None else f"row {row}: ") + reason
 
 
 @dataclass
@@ -382,8 +394,7 @@ def check_rows(model: UnderstandingModel, rows: List[Dict[str, Any]], names: Seq
         try:
             model.batch_manager.validate(r)
         except Exception as exc:  # noqa: BLE001 - whatever the batch manager objects to
-            name = next((k for k in names if k in r), "inputs")
-            raise V2Error(400, f"input {name!r}: row {i}: {exc}") from None
+            raise V2Error(400, payload_message(exc, i, next((k for k in names if k in r), "inputs"))) from None
 
 
 # ---- infer answers -------------------------------------------------------------------
