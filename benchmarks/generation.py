@@ -54,12 +54,25 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens-cap", type=int, default=256)
     p.add_argument("--prompt-min", type=int, default=8)
     p.add_argument("--prompt-max", type=int, default=64)
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options ``run_mode`` reads (shared with benchmarks/burst.py)."""
     p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-loaded", type=int, default=0, help="EngineConfig.max_loaded (0 = every model)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="EngineConfig.worker_threads (0 = automatic)")
     p.add_argument("--modes", default="token,request")
-    return p.parse_args(argv)
+
+
+def parse_modes(text: str):
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in ("token", "request") for m in modes):
+        raise SystemExit(f"--modes {text!r}: a comma-separated list of 'token' and 'request'")
+    return modes
 
 
 def make_requests(args):
@@ -72,12 +85,18 @@ def make_requests(args):
 async def replay(engine, ids, reqs, mode):
     for mid in ids:  # warm-up: load every model once
         await engine.submit(mid, {"input_ids": [2, 5], "max_tokens": 1})
+    warm_up = len(engine.metrics())
     results = await replay_stream(engine.stream, reqs, mode, progress_every=10)
-    return results, engine.metrics("step")
+    return results, engine.metrics()[warm_up:]
 
 
-def summarize(results, steps):
+def summarize(results, records):
+    """``summarize_llm`` plus the engine's side: loads, steps, and the seconds spent in each kind of command."""
     out = summarize_llm(results)
+    steps = [r for r in records if r.kind == "step"]
+    out["loads"] = sum(1 for r in records if r.kind == "load")
+    out["busy_s"] = {kind: sum(r.end - r.start for r in records if r.kind == kind)
+                     for kind in ("load", "offload", "step", "batch")}
     if steps:
         out["steps"] = len(steps)
         out["master_ms_per_step"] = 1e3 * float(np.mean([s.master_s for s in steps]))
@@ -89,26 +108,23 @@ def run_mode(args, mode, ids, reqs):
     from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
     configs = [ModelConfig(mid, zoo.random_causal_lm, {"name": args.model, "seed": i, "fast_init": True})
                for i, mid in enumerate(ids)]
-    config = EngineConfig(max_loaded=len(ids), max_batch_size=args.max_batch_size,
+    config = EngineConfig(max_loaded=args.max_loaded or len(ids), max_batch_size=args.max_batch_size,
                           step_mode=(mode == "token"), worker_threads=args.threads)
-    print(f"[{mode}] starting {len(ids)} x {args.model}, TP={args.tp} PP={args.pp}", file=sys.stderr, flush=True)
+    print(f"[{mode}] starting {len(ids)} x {args.model}, TP={args.tp} PP={args.pp}, "
+          f"max_loaded={config.max_loaded}", file=sys.stderr, flush=True)
     engine = LaunchEngine(config, configs, args.tp, args.pp)
 
     async def go():
         async with engine:
             return await replay(engine, ids, reqs, mode)
-    results, steps = asyncio.run(go())
-    summary = summarize(results, steps)
+    summary = summarize(*asyncio.run(go()))
     print(f"[{mode}] {json.dumps(summary)}", file=sys.stderr, flush=True)
     return summary
 
 
 def main(argv=None):
     args = parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("token", "request")]
-    if bad or not modes:
-        raise SystemExit(f"--modes {args.modes!r}: a comma-separated list of 'token' and 'request'")
+    modes = parse_modes(args.modes)
     ids, reqs = make_requests(args)
     print(f"{len(reqs)} requests over {args.duration}s, {sum(r[2]['max_tokens'] for r in reqs)} tokens asked",
           file=sys.stderr, flush=True)

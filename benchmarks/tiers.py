@@ -315,13 +315,10 @@ def main(argv=None) -> dict:
                                              host_budget=budget)
     res["build_budget_s"] = build_seconds(os.path.join(work, "budget"))
     loaded = {}  # seq -> {rank: Loaded}
-    real = engine._on_reply_locked
-
     def spy(reply):
         if isinstance(reply, msg.Loaded):
             loaded.setdefault(reply.seq, {})[reply.rank] = reply
-        return real(reply)
-    engine._on_reply_locked = spy
+    engine.add_reply_observer(spy)
     order = [f"m{i}" for _ in range(args.rounds) for i in range(args.models)] + ["m0", "m1"] * args.hot
 
     model_files = {f"m{i}": sorted(glob.glob(os.path.join(p, "*.safetensors"))) for i, p in enumerate(paths)}

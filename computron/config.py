@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
+from .scheduler import POLICIES
+
 _BACKENDS = ("gloo", "nccl")
-POLICIES = ("run_to_completion", "quantum", "deadline")
 _DEVICES = ("cpu", "cuda")
 
 

@@ -165,3 +165,11 @@ class CausalLMBatchManager(BatchManager):
 
 
 OPTBatchManager = CausalLMBatchManager  # the paper's (and EnergonAI's) name, kept as an alias
+
+
+def batch_manager_for(batching: Optional[dict], max_batch_size: int = 0):
+    """The batch manager a model gets when its ModelConfig names none: a CausalLMBatchManager for a causal
+    LM (``batching``: what its workers reported of its token ids), batches of one for anything else."""
+    if batching is None:
+        return BatchManager()
+    return CausalLMBatchManager(max_batch_size=max_batch_size or 8, **batching)

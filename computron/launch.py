@@ -406,6 +406,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
     engine = Engine(config, configs, layout, channel, ready, on_close=on_close)
     router.attach(engine)
     channel.start()
+    engine.start()
     workers.monitor(engine.on_worker_exit)
     _install_exit_hooks(engine)
     return engine
@@ -551,5 +552,6 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     engine = Engine(config, configs, layout, channel, [worker.ready_message()] + router.ready,
                     on_close=on_close)
     router.attach(engine)
+    engine.start()
     _install_exit_hooks(engine)
     return engine

@@ -40,7 +40,7 @@ Rules:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Set
 
 
@@ -57,16 +57,82 @@ class ActionKind(enum.Enum):
     RUN = "run"
 
 
+class Reason(enum.Enum):
+    """Why a decision was taken (for the log, the timeline and the engine's preemption glue)."""
+    SERVE = "serve"
+    """RUN: the model has work; LOAD: its oldest request waits for it."""
+    EVICT_IDLE = "evict_idle"
+    """OFFLOAD: the least recently used idle model makes room."""
+    DRAIN = "drain"
+    """OFFLOAD queued behind the model's last batch (prefetch): its queue is empty."""
+    PREEMPT = "preempt"
+    """OFFLOAD of a model with live sequences whose turn is over under the policy: they pause."""
+
+
 @dataclass(frozen=True)
 class Action:
+    """One decision: what to send for which model, and why (``reason``; ``for_model``: the model an
+    offload makes room for). Two actions are equal when kind and model are."""
     kind: ActionKind
     model_id: str
+    reason: Reason = field(default=Reason.SERVE, compare=False)
+    for_model: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def preempts(self) -> bool:
+        return self.reason is Reason.PREEMPT
 
 
 _RESIDENT = (ModelState.LOADING, ModelState.LOADED, ModelState.OFFLOADING)
 MIN_TURN_STEPS = 4
 """A model is preempted only after this many steps since it loaded, however short the quantum."""
-POLICIES = ("run_to_completion", "quantum", "deadline")
+
+
+class Policy(str, enum.Enum):
+    """Which model's generation runs when more models have work than fit (see EngineConfig.policy)."""
+    RUN_TO_COMPLETION = "run_to_completion"
+    QUANTUM = "quantum"
+    DEADLINE = "deadline"
+
+
+POLICIES = tuple(p.value for p in Policy)
+
+
+class RunToCompletion:
+    """A resident model keeps its slot until its running sequences end: nothing is preempted."""
+
+    def __init__(self, quantum_s: float, ttft_slo_s: float):
+        self.quantum_s = quantum_s
+        self.ttft_slo_s = ttft_slo_s
+
+    def starving(self, waited: float) -> bool:
+        """Visited before every other model, and may preempt at once."""
+        return False
+
+    def may_preempt(self, waited: float, turn: float) -> bool:
+        """May a model whose oldest request ``waited`` preempt one whose turn has lasted ``turn``?"""
+        return False
+
+
+class Quantum(RunToCompletion):
+    """A model's turn ends after ``quantum_s`` of steps when another model waits for its slot."""
+
+    def may_preempt(self, waited: float, turn: float) -> bool:
+        return turn >= self.quantum_s
+
+
+class Deadline(RunToCompletion):
+    """The model closest to missing ``ttft_slo_s`` goes first; one that waited 4x it goes regardless."""
+
+    def starving(self, waited: float) -> bool:
+        return waited >= 4 * self.ttft_slo_s
+
+    def may_preempt(self, waited: float, turn: float) -> bool:
+        return self.starving(waited) or (
+            waited >= self.ttft_slo_s / 2 and turn >= min(self.quantum_s, self.ttft_slo_s) / 4)
+
+
+_POLICY_RULES = {Policy.RUN_TO_COMPLETION: RunToCompletion, Policy.QUANTUM: Quantum, Policy.DEADLINE: Deadline}
 
 
 class Scheduler:
@@ -87,11 +153,12 @@ class Scheduler:
             raise ValueError(f"max_inflight={max_inflight}: must be >= 1")
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: must be one of {POLICIES}")
+        self.rules = _POLICY_RULES[Policy(policy)](quantum_s, ttft_slo_s)
         self.max_loaded = max_loaded
         self.prefetch = prefetch
         self.overlap = overlap
         self.max_inflight = max_inflight
-        self.policy = policy
+        self.policy = Policy(policy).value
         self.quantum_s = quantum_s
         self.ttft_slo_s = ttft_slo_s
         self.sizes = {m: int((sizes or {}).get(m, 0)) for m in self.model_ids}
@@ -118,8 +185,6 @@ class Scheduler:
         """Batches (steps) each resident model got since it loaded."""
         self._unserved: set = set()
         """Loaded models that have had no batch since: not evicted before their first."""
-        self.preempted: List[str] = []
-        """Models with live sequences whose offload the last ``decide`` queued (preemptions)."""
 
     # ---- queries -------------------------------------------------------------
     def state(self, model_id: str) -> ModelState:
@@ -127,9 +192,6 @@ class Scheduler:
 
     def resident(self) -> List[str]:
         return [m for m in self.model_ids if self.states[m] in _RESIDENT]
-
-    def _slots_used(self) -> int:
-        return sum(1 for m in self.model_ids if self.states[m] in _RESIDENT)
 
     def _fits(self, m: str, leaving: Iterable[str] = ()) -> bool:
         """Would ``m`` fit beside the resident models, not counting those in ``leaving``?"""
@@ -160,12 +222,12 @@ class Scheduler:
         return min(candidates, key=lambda m: (self.priority[m], self._last_used[m])) if candidates else None
 
     def _starving(self, m: str, heads: Mapping[str, float], now: Optional[float]) -> bool:
-        return self.policy == "deadline" and now is not None and now - heads[m] >= 4 * self.ttft_slo_s
+        return now is not None and self.rules.starving(now - heads[m])
 
     def _preemptible(self, m: str, heads: Mapping[str, float], running: Set[str],
                      now: Optional[float]) -> List[str]:
         """Resident models with live sequences that ``m`` may preempt now, under the policy."""
-        if now is None or self.policy == "run_to_completion":
+        if now is None:
             return []
         waited = now - heads[m]
         out = []
@@ -177,12 +239,7 @@ class Scheduler:
             turn = now - self._turn_start.get(v, now)
             if self._turn_runs.get(v, 0) < MIN_TURN_STEPS:
                 continue  # every turn makes progress, however short the quantum
-            if self.policy == "quantum":
-                ok = turn >= self.quantum_s
-            else:
-                ok = self._starving(m, heads, now) or (
-                    waited >= self.ttft_slo_s / 2 and turn >= min(self.quantum_s, self.ttft_slo_s) / 4)
-            if ok:
+            if self.rules.may_preempt(waited, turn):
                 out.append(v)
         return out
 
@@ -197,7 +254,6 @@ class Scheduler:
         unknown = [m for m in heads if m not in self.states]
         if unknown:
             raise KeyError(f"unknown model ids in heads: {unknown}")
-        self.preempted = []
         actions: List[Action] = []
         waiting_for_slot = False
         order = sorted(heads, key=lambda k: (not self._starving(k, heads, now), -self.priority[k], heads[k],
@@ -241,7 +297,7 @@ class Scheduler:
                 for v in victims:
                     self.states[v] = ModelState.OFFLOADING
                     self._slot_promised[v] = m
-                    actions.append(Action(ActionKind.OFFLOAD, v))
+                    actions.append(Action(ActionKind.OFFLOAD, v, Reason.EVICT_IDLE, m))
                 waiting_for_slot = True
                 continue
             # otherwise queue offloads behind batches in flight: models draining their last batch
@@ -251,23 +307,22 @@ class Scheduler:
                         and v not in self.pinned] if self.prefetch else []
             preemptible = self._preemptible(m, heads, running, now)
             # offloads already sent or queued free their slots before a load sent now (command order)
-            queued = []
+            queued: Dict[str, Reason] = {}
             gone = self._offload_queued | {v for v in self.model_ids if self.states[v] is ModelState.OFFLOADING}
-            for pool in (victims, draining, preemptible):
+            for pool, reason in ((victims, Reason.EVICT_IDLE), (draining, Reason.DRAIN),
+                                 (preemptible, Reason.PREEMPT)):
                 pool = [v for v in pool if v not in queued]
                 while pool and not self._fits(m, gone | set(queued)):
                     v = self._lru(pool)
                     pool.remove(v)
-                    queued.append(v)
+                    queued[v] = reason
             if queued and self._fits(m, gone | set(queued)):
-                for v in queued:
+                for v, reason in queued.items():
                     if self.inflight[v]:
                         self._offload_queued.add(v)  # OFFLOADING once its last batch is answered
                     else:
                         self.states[v] = ModelState.OFFLOADING
-                    if v in running:
-                        self.preempted.append(v)
-                    actions.append(Action(ActionKind.OFFLOAD, v))
+                    actions.append(Action(ActionKind.OFFLOAD, v, reason, m))
                 actions.extend(self._start_load(m, heads, now))
                 continue
             waiting_for_slot = True
@@ -325,6 +380,13 @@ class Scheduler:
 
     def can_accept_batches(self, m: str) -> bool:
         return self._runnable(m)
+
+    def in_flight(self, m: str) -> int:
+        """Batches (steps) of ``m`` sent and not yet answered."""
+        return self.inflight[m]
+
+    def is_pinned(self, m: str) -> bool:
+        return m in self.pinned
 
 
 def choose_recompute(contexts: Mapping[int, int], kv_bytes_per_token: float, copy_bytes_per_s: float,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from .batch import SubmitEntry
+from .errors import RequestTimeoutError
 from .messages import SeqSpec
 
 END = object()
@@ -75,6 +76,26 @@ class Request:
             self._call(self.stream.put_nowait, END if error is None else error)
 
 
+async def consume(queue: asyncio.Queue, timeout: Optional[float], what: str):
+    """Yield the token lists a request's stream queue receives until its END; raise the error it
+    receives instead, or RequestTimeoutError naming ``what`` past ``timeout`` seconds in all."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        if deadline is None:
+            item = await queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(f"{what} took over {timeout}s") from None
+        if item is END:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
 class TokenBatch:
     """One model's sequences under token-level generation, as the master sees them."""
 
@@ -90,10 +111,6 @@ class TokenBatch:
         """Paused sequences whose KV cache was dropped: re-admitted first, as prompt + generated tokens."""
         self.paused_since: Optional[float] = None
         """When the model was last preempted (its running sequences parked), None while it runs."""
-        self.step_admitted: Tuple[int, ...] = ()
-
-    def has_work(self, queue: Deque[SubmitEntry]) -> bool:
-        return bool(self.running or self.to_drop or self.to_recompute or queue)
 
     @property
     def live(self) -> bool:
@@ -102,6 +119,47 @@ class TokenBatch:
 
     def oldest(self) -> Optional[float]:
         return min((r.submitted for r in list(self.running.values()) + list(self.to_recompute)), default=None)
+
+    def head(self, now: float) -> Optional[float]:
+        """When this model's live sequences started waiting, for the scheduler: when they paused, the
+        oldest one's arrival while they run, ``now`` for sequences only waiting to be dropped."""
+        if not self.live:
+            return None
+        if self.paused_since is not None:
+            return self.paused_since
+        return self.oldest() if (self.running or self.to_recompute) else now
+
+    def paused(self) -> int:
+        return len(self.to_recompute) + (len(self.running) if self.paused_since else 0)
+
+    def contexts(self) -> Dict[int, int]:
+        """Tokens in each running sequence's KV cache (prompt + generated)."""
+        return {sid: len(r.spec.prompt) + len(r.tokens) for sid, r in self.running.items()}
+
+    def on_step_done(self, sids, tokens, ended) -> List[Request]:
+        """Hand each sequence its new token; return those that ended, removed from the batch. A
+        preemption decided while the step ran may already have moved some to the recompute list."""
+        ended = set(ended)
+        paused = {r.uid: r for r in self.to_recompute}
+        done = []
+        for sid, token in zip(sids, tokens):
+            req = self.running.get(sid) or paused.get(sid)
+            if req is None:
+                continue  # cancelled while this step ran; the workers drop it next step
+            req.push([token])
+            if sid in ended:
+                if sid in self.running:
+                    del self.running[sid]
+                else:
+                    self.to_recompute.remove(req)
+                done.append(req)
+        return done
+
+    def restore_generators(self, states: Dict[int, bytes]) -> None:
+        """Sampling states of sequences paused for recompute, as the output rank handed them back."""
+        for req in self.to_recompute:
+            if req.uid in states:
+                req.gen_state = states[req.uid]
 
     def pause(self, recompute: List[int], now: float) -> None:
         """The model was preempted: ``recompute`` lose their KV cache, the others are parked with it."""
@@ -165,10 +223,12 @@ class TokenBatch:
             req.spec, req.admitted = spec, now
             self.running[spec.sid] = req
             admit.append(spec)
+        return admit, self.take_drops(), rejected
+
+    def take_drops(self) -> Tuple[int, ...]:
         drop = tuple(sorted(self.to_drop))
         self.to_drop.clear()
-        self.step_admitted = tuple(s.sid for s in admit)
-        return admit, drop, rejected
+        return drop
 
     def cancel(self, uid: int) -> Optional[str]:
         """Forget a sequence: 'workers' if the workers still hold it (drop it there: next step, or a Drop
@@ -188,6 +248,15 @@ class TokenBatch:
         self.running.clear()
         self.to_recompute.clear()
         return out
+
+    def abandon(self) -> Tuple[List[Request], Tuple[int, ...]]:
+        """Forget everything (the model cannot run on): the requests to fail, and the sequences the
+        workers may still hold (to drop there)."""
+        on_workers = tuple(sorted(set(self.running) | self.to_drop))
+        victims = self.take_all()
+        self.to_drop.clear()
+        self.paused_since = None
+        return victims, on_workers
 
 
 def _as_list(v) -> List[int]:

@@ -62,12 +62,11 @@ def model_fn(seed: int):
 
 async def serve(engine) -> None:
     beats = {r: threading.Event() for r in range(2)}
-    on_heartbeat = engine._on_heartbeat
 
-    def heard(beat):
-        beats[beat.rank].set()
-        on_heartbeat(beat)
-    engine._on_heartbeat = heard
+    def heard(reply):
+        if isinstance(reply, msg.Heartbeat):
+            beats[reply.rank].set()
+    engine.add_reply_observer(heard)
     async with engine:
         x = torch.randn(3, SIZES[0])
         for seed in (0, 1, 0):

@@ -51,7 +51,7 @@ def test_budget_holds_the_two_small_models_or_the_big_one(checkpoints, tmp_path)
             assert len(loads) >= 4
             for r in loads:  # never over the budget, by the workers' own device accounting
                 assert all(b <= budget for b in r.device_bytes.values()), (r.model_id, r.device_bytes, budget)
-            assert engine.snapshot()["models"]["big"]["tier"] in ("host", "device")
+            assert engine.snapshot().models["big"].tier in ("host", "device")
     asyncio.run(go())
 
 

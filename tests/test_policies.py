@@ -52,7 +52,8 @@ def test_quantum_preempts_after_its_turn_and_minimum_steps():
     t = 0.25                                               # the turn is over: b preempts a
     actions = s.decide({"a": 0.0, "b": 0.1}, ["a"], t)
     assert actions == [run("a"), offload("a"), load("b")] or actions == [offload("a"), load("b")]
-    assert s.preempted == ["a"]
+    preempting = [a for a in actions if a.preempts]
+    assert preempting == [offload("a")] and preempting[0].for_model == "b"
     assert not s.can_accept_batches("a")                   # no step after the queued offload
     if actions[0] == run("a"):
         s.on_batch_done("a")

@@ -286,28 +286,25 @@ def test_models_cycle_through_disk_host_device_and_a_bad_file_fails_alone(checkp
         async with engine:
             shards = {r: w.host_bytes for r, w in engine.workers.items()}
             start = {r: s.host_resident for r, s in engine.stats().items()}
-            real = engine._on_reply_locked
-
             def spy(reply):  # the Loaded replies, as the engine gets them
                 if isinstance(reply, msg.Loaded):
                     loaded.append(reply)
-                return real(reply)
-            engine._on_reply_locked = spy
+            engine.add_reply_observer(spy)
             for k in range(6):
                 m = names[k % 3]
                 out = await engine.submit(m, {"input_ids": PROMPTS[m], "max_tokens": 5})
                 assert out.tolist() == refs[m], (k, m)
             after = {r: s.host_resident for r, s in engine.stats().items()}
             # the engine says where each model is, as the workers' own accounting does
-            states, snap = engine.model_states(), engine.snapshot()["models"]
+            states, snap = engine.model_states(), engine.snapshot().models
             for m in names:
                 where = "device" if states[m] != "offloaded" else (
                     "host" if all(m in held for held in after.values()) else "disk")
-                assert snap[m]["tier"] == where, (m, snap[m], after)
-            assert any(s == "disk" for s in (snap[m]["tier"] for m in names))
+                assert snap[m].tier == where, (m, snap[m], after)
+            assert any(s == "disk" for s in (snap[m].tier for m in names))
             disk_loads = [r for r in engine.metrics("load") if r.tier == "disk"]
             assert disk_loads and all(r.read_bytes > 0 and r.read_s > 0 for r in disk_loads)
-            assert snap["opt1"]["last_load"]["tier"] in ("host", "disk")
+            assert snap["opt1"].last_load["tier"] in ("host", "disk")
             file = os.path.join(bad, "model.safetensors")
             with open(file, "r+b") as f:
                 f.truncate(os.path.getsize(file) // 2)

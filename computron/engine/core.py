@@ -1,0 +1,398 @@
+"""The master's state machine: requests in, the scheduler's decisions out, replies put into effect.
+
+The engine is driven by two kinds of event, both ending in ``_pump``: a caller's
+``submit``/``stream`` (from any asyncio loop) and a worker's reply (from the
+transport's receiver thread). ``_pump`` asks the scheduler what to do and hands
+each decision to the component that carries it out; a reply goes, once every
+rank has sent one, to the handler of its command's kind. Futures and streams are
+resolved on their own loop with ``call_soon_threadsafe``. Nothing waits by
+sleeping; the liveness watchdog wakes on a timer only to check on the workers.
+
+Components (one owner each, all called under the engine's lock):
+``requests.RequestTable`` (queues, answers), ``commands.CommandTracker``
+(sequence numbers, replies per rank), ``token_level.TokenLevel`` (every running
+batch of token-level generation), ``swaps.Swaps`` (loads and offloads),
+``liveness.Liveness`` (heartbeats, the watchdog) and ``telemetry.Telemetry``
+(records, timeline, counters). Causal LMs generate token by token
+(``EngineConfig.step_mode``); other models, and paper mode, run each batch as
+one command.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+
+from .. import messages as msg
+from ..budget import device_budget, model_sizes
+from ..config import EngineConfig, ModelConfig
+from ..errors import EngineDeadError, RequestTimeoutError
+from ..generation import CausalLMBatchManager, batch_manager_for
+from ..scheduler import ActionKind, Scheduler
+from ..sequences import TokenBatch, consume
+from .batches import RequestLevel
+from .commands import CommandKind, CommandTracker, PendingCommand
+from .liveness import Liveness
+from .requests import RequestTable
+from .swaps import Swaps
+from .telemetry import EngineSnapshot, ModelSnapshot, Telemetry
+from .token_level import TokenLevel
+
+log = logging.getLogger("computron.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model_configs: List[ModelConfig], layout, channel,
+                 workers: List[msg.WorkerReady], on_close: Optional[Callable[[bool], None]] = None):
+        self.config = config
+        self.layout = layout
+        self.n_workers = layout.n_workers
+        self.workers: Dict[int, msg.WorkerReady] = {w.rank: w for w in workers}
+        """What each worker reported when it became ready (pid, host, device, shard sizes)."""
+        self._on_close = on_close
+        self._batch_managers = {mc.model_id: mc.batch_manager or batch_manager_for(
+            self._batching_info(mc.model_id), config.max_batch_size) for mc in model_configs}
+        paper = config.paper_mode
+        # One batch (or step) in flight per model: workers run commands in order anyway, and a
+        # second batch sent early would only split a burst into smaller batches.
+        self._sched = Scheduler([mc.model_id for mc in model_configs], config.max_loaded,
+                                prefetch=config.prefetch and not paper, overlap=config.overlap and not paper,
+                                max_inflight=1, policy="run_to_completion" if paper else config.policy,
+                                quantum_s=config.quantum_ms / 1e3, ttft_slo_s=config.ttft_slo_s,
+                                sizes=model_sizes(config, workers), device_budget=device_budget(config, workers),
+                                pinned=[mc.model_id for mc in model_configs if mc.pinned],
+                                priority={mc.model_id: mc.priority for mc in model_configs})
+        self._lock = threading.RLock()  # re-entered: a reply handler may end in _die
+        self._telemetry = Telemetry(config.metrics_history)
+        self._requests = RequestTable(self._batch_managers, config.queue_size, self._telemetry)
+        self._tracker = CommandTracker(self.n_workers, channel)
+        token_batches = {}
+        if config.step_mode and not paper:
+            token_batches = {m: TokenBatch(bm, bm.max_batch_size, config.max_step_tokens)
+                             for m, bm in self._batch_managers.items()
+                             if isinstance(bm, CausalLMBatchManager) and self._batching_info(m) is not None}
+        self._token_level = TokenLevel(token_batches, self._requests, self._tracker, self._telemetry,
+                                       self._sched, config.kv_swap, self.n_workers)
+        self._swaps = Swaps(self._sched, self._tracker, self._requests, self._token_level, self._telemetry,
+                            self.n_workers, config.host_budget,
+                            {w.rank: w.host_resident for w in workers if w.host_resident is not None})
+        self._request_level = RequestLevel(self._batch_managers, self._requests, self._tracker, self._telemetry,
+                                           self._sched)
+        self._liveness = Liveness(self.n_workers, config.heartbeat_timeout_s, config.command_timeout_s)
+        self._handlers = {CommandKind.LOAD: self._swaps.complete, CommandKind.OFFLOAD: self._swaps.complete,
+                          CommandKind.STEP: self._token_level.complete_step,
+                          CommandKind.BATCH: self._request_level.complete,
+                          CommandKind.STATS: self._complete_query, CommandKind.CLEANUP: self._complete_cleanup}
+        self._reply_observers: List[Callable[[Any], None]] = []
+        self._dead: Optional[str] = None
+        self._closed = threading.Event()  # close() ran
+        self._stopped = threading.Event()  # closed or dead: run() returns
+
+    def start(self) -> "Engine":
+        """Start watching the workers' liveness (the launcher calls this once the channel runs)."""
+        self._liveness.start(self._check_liveness, self._stopped)
+        return self
+
+    def _batching_info(self, model_id: str) -> Optional[dict]:
+        return next((w.batching[model_id] for w in self.workers.values() if model_id in w.batching), None)
+
+    # ---- public API ----------------------------------------------------------
+    @property
+    def model_ids(self) -> List[str]:
+        return list(self._requests.queues)
+
+    def model_states(self) -> Dict[str, str]:
+        with self._lock:
+            return {m: self._sched.state(m).value for m in self.model_ids}
+
+    def metrics(self, kind: Optional[str] = None) -> List[Any]:
+        """Records of the loads, offloads, batches, steps and requests so far, oldest first
+        (the last ``EngineConfig.metrics_history`` of them)."""
+        with self._lock:
+            return self._telemetry.metrics(kind)
+
+    def add_observer(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(record)`` for every record as it is made (on the engine's threads, under its lock:
+        keep it short; an exception is logged and ignored)."""
+        with self._lock:
+            self._telemetry.add_observer(fn)
+
+    def add_reply_observer(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(reply)`` for every worker reply, heartbeats included, before the engine handles it
+        (on the thread that delivers it; keep it short; an exception is logged and ignored)."""
+        with self._lock:
+            self._reply_observers.append(fn)
+
+    def counters(self) -> Dict[str, Dict]:
+        """Running totals since start that never expire (for Prometheus counters): ``swaps``,
+        ``swap_seconds``, ``swap_bytes`` keyed by (model_id, 'load'|'offload'); ``steps``, ``tokens``,
+        ``preemptions`` keyed by model_id; ``requests`` keyed by (model_id, 'ok'|'error'|'cancelled')."""
+        with self._lock:
+            return self._telemetry.counter_totals()
+
+    def snapshot(self) -> EngineSnapshot:
+        """Where every model is and what it is doing, for a status page or a health check."""
+        with self._lock:
+            models = {}
+            for m, q in self._requests.queues.items():
+                state = self._sched.state(m)
+                tb = self._token_level.batches.get(m)
+                last = self._telemetry.last_swap[m]
+                models[m] = ModelSnapshot(
+                    state=state.value, tier=self._swaps.tier(m, state), waiting=len(q),
+                    running=len(tb.running) if tb else self._sched.in_flight(m), paused=tb.paused() if tb else 0,
+                    token_level=tb is not None, pinned=self._sched.is_pinned(m),
+                    last_load=last.get("load"), last_offload=last.get("offload"))
+            return EngineSnapshot(alive=self._dead is None, dead_reason=self._dead, models=models)
+
+    def events(self, since: int = 0):
+        """``(cursor, [event, ...])``: timeline events (load, offload, batch, step) with an id above
+        ``since``, oldest first; pass the cursor back to get only newer ones."""
+        with self._lock:
+            return self._telemetry.events(since)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return self._dead
+
+    async def submit(self, model_id: str, data: Any, timeout: Optional[float] = None) -> Any:
+        """Queue one request for ``model_id`` and wait for its whole output."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        uid = self._enqueue(model_id, data, fut, loop)
+        fut.add_done_callback(lambda f, u=uid: f.cancelled() and self._cancel(u))
+        if timeout is None:
+            return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"request {uid} to model {model_id!r} took over {timeout}s") from None
+
+    async def stream(self, model_id: str, data: Any, timeout: Optional[float] = None) -> AsyncIterator[int]:
+        """Queue one generation request and yield its new token ids as they are produced.
+
+        The tokens are exactly those ``submit`` would return. Leaving the loop early (``break``,
+        ``aclose()``, a cancelled task) or going over ``timeout`` seconds in all drops the sequence
+        at the next step and frees its cache. Models that do not generate token by token yield
+        their whole answer at the end.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+        uid = self._enqueue(model_id, data, fut, loop, stream=queue)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed through the queue
+        complete = False
+        try:
+            async for tokens in consume(queue, timeout, f"request {uid} to model {model_id!r}"):
+                for token in tokens:
+                    yield token
+            complete = True
+        finally:
+            if not complete:
+                self._cancel(uid)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def run(self) -> None:
+        """Block the calling thread until the engine is shut down (a server's main loop).
+
+        Raises EngineDeadError if it ended because a worker died (after shutting the rest down).
+        """
+        self._stopped.wait()
+        dead = self._dead if not self._closed.is_set() else None
+        self.close()
+        if dead is not None:
+            raise EngineDeadError(dead)
+
+    def stats(self, timeout: float = 60.0) -> Dict[int, msg.Stats]:
+        """Every worker's device memory accounting, asked for and answered through the control plane
+        (blocks the calling thread; ``await engine.stats_async()`` from a loop)."""
+        done = threading.Event()
+        result: Dict[int, Any] = {}
+
+        def waiter(replies):
+            result.update(replies)
+            done.set()
+
+        with self._lock:
+            self._raise_if_dead()
+            self._tracker.send(CommandKind.STATS, None, lambda seq: msg.QueryStats(seq=seq), waiter=waiter)
+        if not done.wait(timeout):
+            raise TimeoutError(f"workers did not answer a stats query within {timeout}s")
+        self._raise_if_dead()
+        return result
+
+    async def stats_async(self, timeout: float = 60.0) -> Dict[int, msg.Stats]:
+        return await asyncio.get_running_loop().run_in_executor(None, self.stats, timeout)
+
+    # ---- requests ------------------------------------------------------------
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _enqueue(self, model_id, data, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
+        """Validate (outside the lock: a batch manager may parse or decode), then queue and pump."""
+        self._requests.check_model(model_id)
+        self._raise_if_dead()
+        self._requests.validate(model_id, data)
+        with self._lock:
+            self._raise_if_dead()
+            uid = self._requests.add(model_id, data, fut, loop, stream)
+            self._pump()
+            return uid
+
+    def _cancel(self, uid: int) -> None:
+        with self._lock:
+            req = self._requests.forget(uid)
+            if req is None:
+                return
+            if not self._token_level.cancel(req):
+                self._requests.unqueue(uid, req.model_id)
+            self._pump()  # an emptied queue may change what comes next; a drop needs a step
+
+    # ---- scheduling ----------------------------------------------------------
+    def _heads(self, now: float) -> Dict[str, float]:
+        """Each model with work, and when it started waiting: the arrival of its oldest waiting request,
+        or when its live sequences paused or arrived (token-level generation)."""
+        heads = {}
+        for m in self.model_ids:
+            times = [t for t in (self._requests.oldest_waiting(m), self._token_level.head(m, now)) if t is not None]
+            if times:
+                heads[m] = min(times)
+        return heads
+
+    def _pump(self) -> None:
+        """Act on the scheduler's decisions until it has nothing more to do. Caller holds the lock."""
+        while self._dead is None and not self._closed.is_set():
+            now = time.perf_counter()
+            heads = self._heads(now)
+            actions = self._sched.decide(heads, self._token_level.live_models(), now)
+            if not actions:
+                return
+            for a in actions:
+                if a.kind is not ActionKind.RUN:
+                    self._swaps.send(a, heads, now)
+                elif a.model_id in self._token_level:
+                    self._token_level.dispatch_step(a.model_id)
+                else:
+                    self._request_level.dispatch(a.model_id)
+
+    # ---- replies from workers (receiver thread) ------------------------------
+    def on_reply(self, reply: Any) -> None:
+        """Called on the transport's receiver thread (or a worker thread in attach mode) for every reply."""
+        self._observe(reply)
+        if isinstance(reply, msg.Heartbeat):
+            reason = self._liveness.on_heartbeat(reply)
+            if reason is not None:
+                self._die(reason)
+            return
+        with self._lock:
+            try:
+                self._on_reply_locked(reply)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not silently kill the receiver thread
+                log.exception("engine failed handling %s", reply)
+                self._die(f"internal error handling {type(reply).__name__}: {type(exc).__name__}: {exc}")
+
+    def _observe(self, reply: Any) -> None:
+        for fn in self._reply_observers:
+            try:
+                fn(reply)
+            except Exception:  # noqa: BLE001 - an observer's bug must not stop serving
+                log.exception("a reply observer failed on %s", type(reply).__name__)
+
+    def _on_reply_locked(self, reply: Any) -> None:
+        if isinstance(reply, (msg.WorkerReady, msg.WorkerStartFailed)):
+            return  # handled by the launcher before the engine exists
+        self._liveness.heard_from(reply.rank)
+        if isinstance(reply, msg.CommandFailed) and reply.fatal:
+            self._die(f"rank {reply.rank} lost the data plane: {reply.error}")
+            return
+        known, pending = self._tracker.collect(reply)
+        if not known:  # after close() or death, late replies have nobody waiting
+            if not self._stopped.is_set():
+                log.warning("reply for unknown command %s", reply)
+            return
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        self._handlers[pending.kind](pending, t0, pending.root_cause())
+        pending.master_s += time.perf_counter() - t0
+        self._pump()
+
+    def _complete_query(self, p: PendingCommand, now: float, error: Optional[str]) -> None:
+        p.waiter(p.replies)
+
+    def _complete_cleanup(self, p: PendingCommand, now: float, error: Optional[str]) -> None:
+        if error is not None:
+            log.warning("cleaning up after a failure of %s did not work everywhere: %s", p.model_id, error)
+
+    # ---- liveness, death and shutdown ----------------------------------------
+    def _check_liveness(self, now: float) -> bool:
+        """The watchdog's question; False once there is nothing more to watch."""
+        with self._lock:
+            if self._closed.is_set():
+                return False
+            reason = (self._liveness.silent_rank(now)
+                      or self._tracker.half_answered(now, self.config.heartbeat_timeout_s))
+            if reason is not None:
+                self._die(reason)
+                return False
+            return True
+
+    def on_transport_error(self, exc: BaseException, cause: Optional[str] = None) -> None:
+        """``cause`` names the worker that died, when the launcher knows it."""
+        prefix = f"{cause}; " if cause else ""
+        self._die(f"{prefix}lost contact with the workers: {type(exc).__name__}: {exc}")
+
+    def on_internal_error(self, exc: BaseException, reply: Any) -> None:
+        """A bug in the master's handling of a reply: the engine cannot trust its state any more."""
+        self._die(f"internal error in the master handling {type(reply).__name__} from rank "
+                  f"{getattr(reply, 'rank', '?')}: {type(exc).__name__}: {exc}")
+
+    def on_worker_exit(self, rank: int, exitcode: Optional[int]) -> None:
+        if not self._closed.is_set():
+            self._die(f"worker rank {rank} exited unexpectedly (exit code {exitcode})")
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = f"engine is dead: {reason}"
+            log.error(self._dead)
+            self._fail_everything()
+            self._stopped.set()
+
+    def _fail_everything(self) -> None:
+        """Fail every waiting request and query with the engine's reason. Caller holds the lock."""
+        self._requests.fail_all(EngineDeadError(self._dead))
+        self._token_level.forget_all()
+        self._tracker.abandon_all()
+
+    def close(self) -> None:
+        """The one shutdown path: fail what is waiting, stop the workers (within
+        ``EngineConfig.shutdown_grace_s``, then by force), release processes. Idempotent."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            already_dead = self._dead is not None
+            self._dead = self._dead or "engine is shutting down"
+            self._fail_everything()
+            self._closed.set()
+        try:
+            if self._on_close is not None:
+                self._on_close(already_dead)
+        finally:
+            self._stopped.set()

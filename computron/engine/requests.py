@@ -1,0 +1,104 @@
+"""The requests the engine holds: each model's waiting queue, and every request until it is answered.
+
+``RequestTable`` admits a request (after its batch manager has validated it,
+outside the engine's lock), bounds each queue, removes a cancelled one, and
+answers one: the future and the stream are resolved on the caller's own loop,
+and the request leaves a ``RequestRecord``. It also gives the scheduler each
+model's oldest waiting request (``heads``).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from typing import Any, Deque, Dict, Optional
+
+from ..batch import SubmitEntry
+from ..errors import PayloadError, QueueFullError, UnknownModelError
+from ..metrics import RequestRecord
+from ..sequences import Request
+from .telemetry import Telemetry
+
+
+class RequestTable:
+    def __init__(self, batch_managers: Dict[str, Any], queue_size: int, telemetry: Telemetry):
+        self._batch_managers = batch_managers
+        self.queues: Dict[str, Deque[SubmitEntry]] = {m: deque() for m in batch_managers}
+        self.requests: Dict[int, Request] = {}
+        self.queue_size = queue_size
+        self._telemetry = telemetry
+        self._uids = itertools.count()
+
+    def check_model(self, model_id: Any) -> None:
+        if not isinstance(model_id, str) or model_id not in self.queues:
+            raise UnknownModelError(model_id, self.queues)
+
+    def validate(self, model_id: str, data: Any) -> None:
+        """The model's batch manager checks the request (no lock held: it may parse or decode);
+        PayloadError naming the field otherwise."""
+        validate = getattr(self._batch_managers[model_id], "validate", None)  # optional for ported managers
+        if validate is None:
+            return
+        try:
+            validate(data)
+        except Exception as exc:  # noqa: BLE001 - whatever the batch manager objects to
+            raise PayloadError(f"model {model_id!r}: malformed request: {exc}", getattr(exc, "param", None),
+                               str(exc)) from None
+
+    def add(self, model_id: str, data: Any, fut: asyncio.Future, loop: asyncio.AbstractEventLoop,
+            stream: Optional[asyncio.Queue]) -> int:
+        """Queue a validated request; QueueFullError over ``EngineConfig.queue_size``."""
+        queue = self.queues[model_id]
+        if self.queue_size and len(queue) >= self.queue_size:
+            raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
+                                 f"(queue_size={self.queue_size})")
+        uid = next(self._uids)
+        self.requests[uid] = Request(uid, model_id, fut, loop, time.perf_counter(), time.time(), stream=stream)
+        queue.append(SubmitEntry(uid, data))
+        return uid
+
+    def unqueue(self, uid: int, model_id: str) -> None:
+        queue = self.queues[model_id]
+        for entry in queue:
+            if entry.uid == uid:
+                queue.remove(entry)
+                return
+
+    def forget(self, uid: int) -> Optional[Request]:
+        """A cancelled request: gone without an answer (counted as cancelled)."""
+        req = self.requests.pop(uid, None)
+        if req is not None:
+            self._telemetry.counters["requests"][(req.model_id, "cancelled")] += 1
+        return req
+
+    def finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None,
+               batch_seq: Optional[int] = None) -> None:
+        """Answer a request (its value or its error) and record it; unknown uids are ignored."""
+        req = self.requests.pop(uid, None)
+        if req is None:
+            return
+        now = time.perf_counter()
+        first = req.first_token if req.spec is not None else (now if error is None else None)
+        self._telemetry.record(RequestRecord(
+            uid, req.model_id, req.submitted, now, batch_uid=batch_seq, error=None if error is None else str(error),
+            submitted_wall=req.submitted_wall, first_token=first, n_tokens=len(req.tokens),
+            preemptions=req.preemptions))
+        self._telemetry.counters["requests"][(req.model_id, "ok" if error is None else "error")] += 1
+        req.resolve(value, error)
+
+    def fail_queue(self, model_id: str, error: BaseException) -> None:
+        queue = self.queues[model_id]
+        for entry in list(queue):
+            self.finish(entry.uid, error=error)
+        queue.clear()
+
+    def fail_all(self, error: BaseException) -> None:
+        for uid in list(self.requests):
+            self.finish(uid, error=error)
+        for queue in self.queues.values():
+            queue.clear()
+
+    def oldest_waiting(self, model_id: str) -> Optional[float]:
+        queue = self.queues[model_id]
+        return self.requests[queue[0].uid].submitted if queue else None
