@@ -356,9 +356,15 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
 
     def init_master():
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=layout.master_rank,
-                                    world_size=layout.world_size,
-                                    timeout=timedelta(seconds=config.death_timeout_s))
+            # torch labels every later traceback of this process "[rank<N>]:" by replacing sys.excepthook;
+            # the user's own process is no rank of theirs: keep their hook
+            excepthook = sys.excepthook
+            try:
+                dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=layout.master_rank,
+                                        world_size=layout.world_size,
+                                        timeout=timedelta(seconds=config.death_timeout_s))
+            finally:
+                sys.excepthook = excepthook
             init["groups"] = Groups(layout, layout.master_rank, config.resolved_backend(),
                                     timedelta(seconds=config.death_timeout_s))
         except BaseException as exc:  # noqa: BLE001

@@ -116,3 +116,23 @@ def test_attach_mode_start_up_order_does_not_matter(tmp_path, last):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ATTACH RACE OK" in proc.stdout, proc.stdout + proc.stderr
     assert "KeyError" not in proc.stderr and "engine is dead" not in proc.stderr, proc.stderr
+
+
+LABELLED_TRACEBACK = """
+from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
+if __name__ == "__main__":
+    engine = LaunchEngine(EngineConfig(), [ModelConfig("m", zoo.mlp, {"sizes": (4, 4), "seed": 0})], 1, 1)
+    engine.close()
+    raise RuntimeError("the user's own error")
+"""
+
+
+def test_the_users_tracebacks_are_not_labelled_with_a_rank(tmp_path):
+    """Spawn mode makes the caller's process a rank of the group; its tracebacks stay the user's own."""
+    script = tmp_path / "labelled.py"
+    script.write_text(LABELLED_TRACEBACK)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    tail = proc.stderr[proc.stderr.index("Traceback"):]
+    assert "RuntimeError: the user's own error" in tail and "[rank" not in tail, tail
