@@ -11,12 +11,12 @@ and, for a DTensor, to its slice (``compute_local_shape_and_global_offset``, so
 any 1-D plan works); ``slice_reads.read_segments`` reads those bytes with
 ``os.preadv`` straight into the store's host buffer, never the whole file.
 
-A model is read this way when its ``ModelConfig.checkpoint`` names a directory, or
-its ``model_fn`` is ``zoo.load_causal_lm`` / ``zoo_understanding.load_encoder``
-with a ``path``; the directory must hold ``model.safetensors`` or an
+A model is read this way when its ``ModelConfig.checkpoint`` names a directory
+(what ``computron serve`` sets), or, for callers that name only the loader, its
+``model_fn`` is ``loading.load_causal_lm`` / ``loading.load_encoder`` with a
+``path``; the directory must hold ``model.safetensors`` or an
 ``model.safetensors.index.json`` with its shards, and the model must be of a
-family the runners know (causal LMs of ``models.causal_lm``, encoders of
-``models.registry``). Anything else goes through ``model_fn`` as before.
+family ``models.registry`` lists. Anything else goes through ``model_fn`` as before.
 """
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._torch_compat import (direct_tensor, direct_tensors, local_shape_and_offset, local_tensor, map_tensors,
+                            set_parameter)
+from .loading import DTYPES, architecture_class, loader_checkpoint, torch_dtype
+
 log = logging.getLogger("computron.checkpoint")
 
 WEIGHTS_NAME = "model.safetensors"
@@ -41,7 +45,6 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         _ST_DTYPES[_name] = getattr(torch, _attr)
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class CheckpointError(RuntimeError):
@@ -56,23 +59,17 @@ class Unsupported(Exception):
 
 
 def checkpoint_of(model_config) -> Optional[Tuple[str, Optional[str]]]:
-    """``(directory, dtype name or None)`` when the model's weights come from a local checkpoint, else None."""
+    """``(directory, dtype name or None)`` when the model's weights come from a local checkpoint, else None.
+
+    ``ModelConfig.checkpoint`` names the directory; the dtype is the one its ``model_fn`` is asked for
+    when that is a loader of ``loading`` (else None: the checkpoint's own). A config without
+    ``checkpoint`` whose ``model_fn`` is such a loader is read from the loader's ``path``.
+    """
+    loader = loader_checkpoint(model_config.model_fn, model_config.model_kwargs or {})
     ck = getattr(model_config, "checkpoint", None)
-    kw = model_config.model_kwargs or {}
     if ck is not None:
-        return str(ck), None
-    from . import zoo
-    loaders = [zoo.load_causal_lm]
-    try:
-        from . import zoo_understanding
-        loaders.append(zoo_understanding.load_encoder)
-    except ImportError:  # pragma: no cover - optional part
-        pass
-    if any(model_config.model_fn is f for f in loaders) and isinstance(kw.get("path"), (str, os.PathLike)):
-        if set(kw) - {"path", "dtype"}:
-            return None  # arguments we do not know the meaning of: model_fn decides
-        return str(kw["path"]), kw.get("dtype")
-    return None
+        return str(ck), loader[1] if loader is not None else None
+    return loader
 
 
 def weight_files(path: str) -> List[str]:
@@ -152,8 +149,8 @@ def params_on_meta():
     def on_meta(module, name, param):
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            p = module._parameters[name]
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            p = direct_tensor(module, name)
+            set_parameter(module, name, type(p)(p.to("meta"), requires_grad=p.requires_grad))
 
     nn.Module.register_parameter = on_meta
     try:
@@ -165,20 +162,18 @@ def params_on_meta():
 def meta_model(path: str, dtype: Optional[str] = None, model_id: str = ""):
     """The model of checkpoint ``path`` with its parameters on the meta device, and the map
     ``(id(module), attr) -> checkpoint names`` that ``CheckpointSource`` needs (keep it until then)."""
-    import transformers
     from transformers import AutoConfig
     from .models import causal_lm_family, encoder_family
     weight_files(path)  # Unsupported without safetensors
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
+    cls = architecture_class(config)
     if cls is None:
         raise Unsupported(f"config.architectures={getattr(config, 'architectures', None)!r} names no "
                           "transformers class")
-    torch_dtype = _DTYPES[dtype] if dtype is not None else _config_dtype(config)
+    default = torch_dtype(dtype, f"model {model_id!r}") if dtype is not None else _config_dtype(config)
     old = torch.get_default_dtype()
     try:
-        torch.set_default_dtype(torch_dtype)
+        torch.set_default_dtype(default)
         with params_on_meta():
             model = cls(config)
     finally:
@@ -193,7 +188,7 @@ def _config_dtype(config) -> torch.dtype:
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(d, torch.dtype):
         return d
-    return _DTYPES.get(str(d), torch.float32)
+    return torch_dtype(str(d)) if str(d) in DTYPES else torch.float32
 
 
 class ParamNames:
@@ -209,9 +204,8 @@ class ParamNames:
         self._keep = []  # ids stay valid while the objects live
         for mod in model.modules():
             self._keep.append(mod)
-            for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-                if t is not None:
-                    self.names[(id(mod), attr)] = by_id.get(id(t), [])
+            for attr, t, _ in direct_tensors(mod):
+                self.names[(id(mod), attr)] = by_id.get(id(t), [])
         self.prefix = getattr(model, "base_model_prefix", "") or ""
 
     def of(self, mod: nn.Module, attr: str) -> Optional[List[str]]:
@@ -224,15 +218,15 @@ def materialize(module: nn.Module) -> None:
     store replaces them with its own buffer."""
     ties: Dict[int, List[Tuple[nn.Module, str]]] = {}
     for mod in module.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
+        for attr, p, is_param in direct_tensors(mod):
+            if is_param:
                 ties.setdefault(id(p), []).append((mod, attr))
-    module._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t)
+    map_tensors(module, lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t)
     for holders in ties.values():
         (m0, a0), rest = holders[0], holders[1:]
         for m, a in rest:
-            if m._parameters[a] is not m0._parameters[a0]:
-                m._parameters[a] = m0._parameters[a0]
+            if direct_tensor(m, a) is not direct_tensor(m0, a0):
+                set_parameter(m, a, direct_tensor(m0, a0))
 
 
 # ---- reading slices ------------------------------------------------------------------------------
@@ -267,10 +261,9 @@ def _local_slice(t: torch.Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tup
             elif not p.is_replicate():
                 raise Unsupported(f"placement {p} of a parameter")
     else:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
-    local = getattr(t, "_local_tensor", None)
-    if local is not None and tuple(local.shape) != tuple(shape):
+        shape, offset = local_shape_and_offset(t)
+    local = local_tensor(t)
+    if tuple(local.shape) != tuple(shape):
         raise Unsupported(f"local shard shape {list(local.shape)} differs from the computed slice {list(shape)}")
     return full, tuple(offset), tuple(shape)
 
@@ -286,15 +279,13 @@ class CheckpointSource:
         self.reads: Dict[int, Read] = {}  # id(local tensor) -> Read, once materialized
         pending = []
         for mod in module.modules():
-            for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-                if t is None:
-                    continue
+            for attr, t, is_param in direct_tensors(mod):
                 known = names.of(mod, attr)
                 if known is None:
                     raise Unsupported(f"{type(mod).__name__}.{attr} was not part of the model the config builds")
                 key = self._key(known, names.prefix)
                 if key is None:
-                    if t.is_meta or attr in mod._parameters:
+                    if t.is_meta or is_param:
                         raise Unsupported(f"checkpoint {path!r} holds no tensor named {known or [attr]}")
                     pending.append((mod, attr, Read(None, value=t.detach().clone())))
                     continue
@@ -306,12 +297,8 @@ class CheckpointSource:
                 pending.append((mod, attr, Read(key, off, shape)))
         materialize(module)
         for mod, attr, r in pending:
-            t = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
-            inner = getattr(t, "_local_tensor", None)
-            self.reads[id(inner if inner is not None else t)] = r
+            self.reads[id(local_tensor(direct_tensor(mod, attr)))] = r
         del names
-        self.last_read_s = 0.0
-        self.last_read_bytes = 0
 
     def _key(self, names: Sequence[str], prefix: str = "") -> Optional[str]:
         """The checkpoint's name for a tensor known by ``names``: as is, or without/with the base model

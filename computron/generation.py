@@ -18,7 +18,8 @@ import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
-from .models.running import is_finite_number, is_valid_seed
+from .messages import BatchingDefaults
+from .validation import is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
 
@@ -167,9 +168,9 @@ class CausalLMBatchManager(BatchManager):
 OPTBatchManager = CausalLMBatchManager  # the paper's (and EnergonAI's) name, kept as an alias
 
 
-def batch_manager_for(batching: Optional[dict], max_batch_size: int = 0):
+def batch_manager_for(batching: "Optional[BatchingDefaults]", max_batch_size: int = 0):
     """The batch manager a model gets when its ModelConfig names none: a CausalLMBatchManager for a causal
     LM (``batching``: what its workers reported of its token ids), batches of one for anything else."""
     if batching is None:
         return BatchManager()
-    return CausalLMBatchManager(max_batch_size=max_batch_size or 8, **batching)
+    return CausalLMBatchManager(max_batch_size=max_batch_size or 8, **batching.as_kwargs())

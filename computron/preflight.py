@@ -4,14 +4,16 @@ Every mistake the master can see from the configuration alone fails here, at
 once, as one ``PreflightError`` line naming the model and the field or path,
 instead of later as a worker's traceback:
 
-- a checkpoint path that is missing or not a directory (``zoo.load_causal_lm``'s
-  ``path``, ``from_pretrained``'s ``pretrained_model_name_or_path`` when it is a
-  local path, or any ``path``/``checkpoint``-like keyword that names a missing file);
+- a checkpoint path that is missing or not a directory (``ModelConfig.checkpoint``,
+  ``loading.load_causal_lm``'s ``path``, ``from_pretrained``'s
+  ``pretrained_model_name_or_path`` when it is a local path, or any
+  ``path``/``checkpoint``-like keyword that names a missing file);
 - a causal-LM loader pointed at an architecture the engine cannot shard (the
   checkpoint's ``config.json`` ``model_type``);
 - attention heads, key/value heads, hidden or FFN sizes not divisible by the
   TP degree, fewer layers than pipeline stages (from ``config.json``, or the
-  named shape of ``zoo.random_causal_lm``);
+  named shape of the fixture ``testing.zoo.random_causal_lm``);
+- a ``dtype`` argument of ``load_causal_lm`` or ``random_causal_lm`` outside ``loading.DTYPES``;
 - ``device='cuda'`` / ``backend='nccl'`` without CUDA, or fewer GPUs than workers on this node;
 - a fixed ``master_port`` already in use (spawn mode, the node that hosts the rendezvous);
   ``reserve_port`` does the same for a server's HTTP port (``computron serve``), and holds it;
@@ -44,15 +46,9 @@ class PreflightError(LaunchError, ValueError):
 
 
 def supported_families() -> List[str]:
-    """The transformers ``model_type`` values whose causal LMs the engine can shard."""
-    from .models.causal_lm import _FAMILIES
-    return sorted(_FAMILIES)
-
-
-def generic_hint() -> str:
-    return ("to serve another module, give ModelConfig a model_fn that returns an nn.Module whose forward "
-            "takes the request as your batch manager makes it (served as a generic module: pp_world_size=1, "
-            "split under TP only by ModelConfig.tp_plan)")
+    """The transformers ``model_type`` values whose causal LMs the engine can shard (``models.registry``)."""
+    from .models.registry import CAUSAL_LM, model_types
+    return sorted(model_types(CAUSAL_LM))
 
 
 def check(config: EngineConfig, model_configs: Iterable[ModelConfig], tp: int, pp: int, n_nodes: int = 1,
@@ -146,11 +142,6 @@ def reserve_port(host: str, port: int, field: str = "port") -> socket.socket:
 
 # ---- models ----------------------------------------------------------------------
 
-def _is_load_causal_lm(fn) -> bool:
-    from . import zoo
-    return fn is zoo.load_causal_lm
-
-
 def _from_pretrained_class(fn) -> Optional[type]:
     """The class whose ``from_pretrained`` ``fn`` is, else None."""
     owner = getattr(fn, "__self__", None)
@@ -206,10 +197,12 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
     causal_loader = False
     source = ""
     cls = _from_pretrained_class(fn)
-    if _is_load_causal_lm(fn):
+    from .loading import DTYPES, load_causal_lm
+    from .testing import zoo
+    if fn is load_causal_lm:
         causal_loader = True
         if "path" not in kw:
-            raise PreflightError(f"model {mid!r}: zoo.load_causal_lm needs model_kwargs['path'] "
+            raise PreflightError(f"model {mid!r}: load_causal_lm needs model_kwargs['path'] "
                                  "(a local checkpoint directory)")
         hf_cfg = _read_config(mid, "path", _check_dir(mid, "path", kw["path"]))
         source = f"checkpoint {kw['path']!r}"
@@ -223,7 +216,6 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
                 hf_cfg = _read_config(mid, key, _check_dir(mid, key, path))
                 source = f"checkpoint {path!r}"
     else:
-        from . import zoo
         if fn is zoo.random_causal_lm and kw.get("name") in zoo.OPT_SHAPES.keys() | zoo.LLAMA_SHAPES.keys():
             hf_cfg = zoo.hf_config(kw["name"], **{k: kw[k] for k in ("vocab_size", "max_positions") if k in kw}
                                    ).to_dict()
@@ -232,11 +224,9 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
             v = kw.get(key)
             if isinstance(v, (str, os.PathLike)) and not os.path.exists(os.path.expanduser(os.fspath(v))):
                 raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={os.fspath(v)!r} does not exist")
-    from . import zoo
-    if fn in (zoo.load_causal_lm, zoo.random_causal_lm) and kw.get("dtype") is not None \
-            and kw["dtype"] not in zoo._DTYPES:
+    if fn in (load_causal_lm, zoo.random_causal_lm) and kw.get("dtype") is not None and kw["dtype"] not in DTYPES:
         raise PreflightError(f"model {mid!r}: model_kwargs['dtype']={kw['dtype']!r}: must be one of "
-                             f"{sorted(zoo._DTYPES)} or None")
+                             f"{sorted(DTYPES)} or None")
     if hf_cfg is None:
         return
     bm_vocab = getattr(mc.batch_manager, "vocab_size", None)
@@ -247,23 +237,21 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
                              "to have one built from the checkpoint, or build it with for_config of that config")
     model_type = hf_cfg.get("model_type")
     if causal_loader and model_type not in supported_families():
+        from .models.registry import GENERIC_HINT
         raise PreflightError(
             f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported "
-            f"model_type: {', '.join(supported_families())}); {generic_hint()}")
+            f"model_type: {', '.join(supported_families())}); {GENERIC_HINT}")
     _check_shape(mid, source, hf_cfg, tp, pp)
 
 
 def _check_shape(mid: str, source: str, c: Dict[str, Any], tp: int, pp: int) -> None:
     text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
-    sizes = [("num_attention_heads", text.get("num_attention_heads")),
-             ("num_key_value_heads", text.get("num_key_value_heads")),
-             ("hidden_size", text.get("hidden_size")),
-             ("ffn_dim", text.get("ffn_dim")), ("intermediate_size", text.get("intermediate_size"))]
-    if tp > 1:
-        for name, v in sizes:
-            if isinstance(v, int) and v % tp:
-                raise PreflightError(f"model {mid!r}: {source} has {name}={v}, not divisible by "
-                                     f"tp_world_size={tp}")
+    if tp > 1:  # which runner will serve it is not known yet: every field some family splits
+        from .models.registry import check_tp_divisible, tp_fields_of_any_family
+        try:
+            check_tp_divisible(text, tp_fields_of_any_family(), tp, mid, source)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
     layers = text.get("num_hidden_layers")
     if isinstance(layers, int) and layers < pp:
         raise PreflightError(f"model {mid!r}: {source} has num_hidden_layers={layers}, fewer than "

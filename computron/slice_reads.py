@@ -254,9 +254,7 @@ def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch
         tasks = sorted(((seg, t) for seg, ts in by_segment.items() for t in ts),
                        key=lambda x: (getattr(x[1], "file", ""), getattr(x[1], "begin", 0)))
         _run_tasks(reader, tasks, n_segments, on_segment, max(1, threads or READ_THREADS), discard)
-    dt = time.perf_counter() - t0
-    source.last_read_s, source.last_read_bytes = dt, nbytes
-    return dt, nbytes
+    return time.perf_counter() - t0, nbytes
 
 
 def _run_tasks(reader: Reader, tasks, n_segments: int, on_segment, threads: int, discard: memoryview) -> None:

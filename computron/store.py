@@ -20,9 +20,13 @@ next model read from disk.
 ``PaperStore`` swaps the way the paper did, for side-by-side comparison: one
 ``.to()`` per tensor into freshly allocated memory on load, and on offload a
 fresh host copy of every tensor.
+
+Both are a ``Store``, the one interface the worker uses; its defaults describe a
+store without a disk tier.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import queue
 import threading
@@ -33,13 +37,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._torch_compat import local_tensor as _local  # the tensor that holds a parameter's data
+
 log = logging.getLogger("computron.store")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor that holds a parameter's data (the local shard of a DTensor)."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if inner is not None else t
 
 
 @dataclass
@@ -230,7 +230,10 @@ class _Readiness:
             torch.cuda.current_stream().wait_event(self.dev[i])
 
 
-class _StoreBase:
+class Store(abc.ABC):
+    """One model's shard on one worker. The defaults describe a store without a disk tier: its shard
+    stays in host memory for good and every load finds it there."""
+
     def __init__(self, module: nn.Module, segments: Sequence[nn.Module], device: torch.device,
                  mutable_buffers: Sequence[str] = ()):
         self.device = torch.device(device)
@@ -243,6 +246,41 @@ class _StoreBase:
         self._hooks = [seg.register_forward_pre_hook(self._make_hook(i + 1))
                        for i, seg in enumerate(segments)]
         self.resident = False
+        self.last_tier = "host"   # where the last load found the shard: "host" or "disk"
+        self.last_read_s = 0.0    # disk read of the last load (or of start-up), seconds and bytes
+        self.last_read_bytes = 0
+        self.last_used = 0        # the worker's host LRU clock
+
+    @abc.abstractmethod
+    def begin_load(self, on_done: Callable[[float, float, Optional[BaseException]], None]) -> None:
+        """Start copying to the device. ``on_done(start, end, error)`` runs when all has arrived."""
+
+    @abc.abstractmethod
+    def offload(self) -> None:
+        """Drop the device copy."""
+
+    @abc.abstractmethod
+    def device_bytes(self) -> int:
+        """Bytes of this shard on the device."""
+
+    # ---- the disk tier (none here) -------------------------------------------
+    @property
+    def host_resident(self) -> bool:
+        """Whether the shard is in host memory."""
+        return True
+
+    def host_bytes(self) -> int:
+        """Host memory the shard holds now."""
+        return self.nbytes
+
+    @property
+    def evictable(self) -> bool:
+        """May leave host memory for disk now (``release_host``)."""
+        return False
+
+    def release_host(self) -> int:
+        """Let the host copy go; returns the bytes freed."""
+        raise RuntimeError(f"{type(self).__name__} keeps its shard in host memory: it has no disk tier")
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._empty:
@@ -269,7 +307,7 @@ class _StoreBase:
                 raise RuntimeError(f"loading the weights failed: {self._ready.error}")
 
 
-class ShardStore(_StoreBase):
+class ShardStore(Store):
     """The fast path: contiguous (pinned) host buffers, reused device buffers, chunked copies."""
 
     def __init__(self, module, segments, device, pool: Optional[DevicePool] = None,
@@ -282,10 +320,6 @@ class ShardStore(_StoreBase):
         self.copy_stream = copy_stream
         self.source = source
         self.host_pool = host_pool
-        self.last_tier = "host"   # where the last load found the shard: "host" or "disk"
-        self.last_read_s = 0.0    # disk read of the last load (or of start-up), seconds and bytes
-        self.last_read_bytes = 0
-        self.last_used = 0        # the worker's host LRU clock
         pin = self.cuda
         totals: Dict[torch.dtype, int] = {}
         for s in self.slots:
@@ -501,7 +535,7 @@ class ShardStore(_StoreBase):
         self.resident = False
 
 
-class PaperStore(_StoreBase):
+class PaperStore(Store):
     """The paper's swap: ``.to(device)`` per tensor on load, a fresh host copy of each on offload."""
 
     def __init__(self, module, segments, device, mutable_buffers: Sequence[str] = ()):

@@ -45,10 +45,10 @@ import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
+from .loading import has_tokenizer
+from .validation import POOLINGS
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                    "sentencepiece.bpe.model")
 
 
 def _int_list(data: Dict[str, Any], key: str) -> List[int]:
@@ -98,10 +98,6 @@ def _top_k(logits: torch.Tensor, labels: List[str], k: int, problem_type: Option
             "logits": [float(x) for x in logits.tolist()]}
 
 
-def _has_tokenizer(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
-
-
 def _load_config(path: str):
     from transformers import AutoConfig
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -140,7 +136,7 @@ class _TextBatching(BatchManager):
     @staticmethod
     def _text_kwargs(path: str, config, max_batch_size: int, max_length: Optional[int]) -> Dict[str, Any]:
         tokenizer = None
-        if _has_tokenizer(path):
+        if has_tokenizer(path):
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         limit = _position_limit(config)
@@ -319,7 +315,6 @@ class EmbeddingBatchManager(_TextBatching):
 
     def __init__(self, pooling: str = "mean", **kw):
         super().__init__(**kw)
-        from .models.encoder import POOLINGS
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: must be one of {POOLINGS}")
         self.pooling = pooling

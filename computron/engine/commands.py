@@ -62,20 +62,15 @@ class PendingCommand:
         failures = self.failures()
         if not failures:
             return None
-        own = [f for f in failures.values() if not _is_upstream(f)]
+        own = [f for f in failures.values() if not f.upstream]
         pick = min(own or failures.values(), key=lambda f: f.rank)
         return f"rank {pick.rank}: {pick.error}"
 
     def rank_times(self) -> Dict[int, Tuple[float, float]]:
-        return {r: (x.start, x.end) for r, x in self.replies.items() if hasattr(x, "start")}
+        return {r: (x.start, x.end) for r, x in self.replies.items() if isinstance(x, msg.CommandDone)}
 
     def of_type(self, cls) -> list:
         return [x for x in self.replies.values() if isinstance(x, cls)]
-
-
-def _is_upstream(failure: msg.CommandFailed) -> bool:
-    upstream = getattr(failure, "upstream", None)
-    return upstream if upstream is not None else failure.error.startswith("UpstreamFailed")
 
 
 class CommandTracker:

@@ -3,10 +3,12 @@ from __future__ import annotations
 import abc
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 from torch import nn
+
+from ..messages import BatchingDefaults, ParkResult, StepResult  # what generative runners return
 
 
 def uniform_split(n_items: int, parts: int) -> List[range]:
@@ -65,8 +67,17 @@ class StageContext:
 class StageRunner(abc.ABC):
     """This rank's part of one model: the module whose tensors the store holds, and how to run it."""
 
+    ctx: StageContext
     module: nn.Module
     segments: List[nn.Module]
+
+    def kv_bytes(self) -> int:
+        """KV caches this runner holds on the device (none: it keeps nothing between commands)."""
+        return 0
+
+    def host_kv_bytes(self) -> int:
+        """KV caches this runner parked in host memory."""
+        return 0
 
     @abc.abstractmethod
     def run(self, batch: Any, weights_ready: Callable[[], None]) -> Optional[Any]:
@@ -76,6 +87,36 @@ class StageRunner(abc.ABC):
         the model is not loaded here; it is called where a failure is passed on to
         the other ranks, so none of them waits for this one forever.
         """
+
+
+
+class GenerativeRunner(StageRunner):
+    """A runner that also generates token by token: it keeps a running batch of sequences, with their
+    KV caches, between ``step`` commands."""
+
+    @abc.abstractmethod
+    def step(self, cmd: Any, weights_ready: Callable[[], None]) -> StepResult:
+        """Run one ``messages.Step``: drop, prefill the admitted sequences, decode the running ones."""
+
+    @abc.abstractmethod
+    def park_running(self, recompute: Iterable[int]) -> ParkResult:
+        """The model leaves the device: drop the sequences in ``recompute``, park the others."""
+
+    @abc.abstractmethod
+    def drop_sequences(self, sids: Iterable[int]) -> None:
+        """Forget these sequences, parked or running."""
+
+    @abc.abstractmethod
+    def kv_bytes(self) -> int:
+        """KV caches on the device (not those parked in host memory)."""
+
+    @abc.abstractmethod
+    def host_kv_bytes(self) -> int:
+        """KV caches parked in host memory."""
+
+    @abc.abstractmethod
+    def batching_defaults(self) -> BatchingDefaults:
+        """What the master's batch manager needs to know about this model's token ids."""
 
 
 def parallelize(module: nn.Module, plan: dict, ctx: StageContext) -> None:

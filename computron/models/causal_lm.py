@@ -18,40 +18,15 @@ import torch
 from torch import nn
 
 from .. import p2p
-from .base import StageContext, StageRunner, parallelize, uniform_split
-
-
-# transformers model types laid out like OPT or like Llama (separate q/k/v and gate/up projections)
-_FAMILIES = {"opt": "opt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult, uniform_split
+from .registry import check_tp_divisible, decoder_family, shard_layers
 
 
 def causal_lm_family(module) -> Optional[str]:
-    """'opt' or 'llama' for the transformers causal LMs this module can shard, else None."""
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if not hasattr(module, "lm_head") or not hasattr(module, "model"):
-        return None
-    return _FAMILIES.get(model_type)
-
-
-def _tp_plan(family: str) -> Dict[str, Any]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    if family == "opt":
-        col = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"]
-        row = ["self_attn.out_proj", "fc2"]
-    else:
-        col = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
-        row = ["self_attn.o_proj", "mlp.down_proj"]
-    plan = {n: ColwiseParallel() for n in col}
-    plan.update({n: RowwiseParallel() for n in row})
-    return plan
-
-
-def _has_submodule(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
+    """'opt' or 'llama' (the ``registry`` family) for the transformers causal LMs this runner can shard,
+    else None."""
+    fam = decoder_family(module)
+    return fam.name if fam is not None else None
 
 
 class _NoPositions(nn.Module):
@@ -61,14 +36,14 @@ class _NoPositions(nn.Module):
         return torch.zeros((), dtype=torch.float32)
 
 
-def _check_tp(config, family: str, tp: int, model_id: str) -> None:
-    fields = ["num_attention_heads", "ffn_dim" if family == "opt" else "intermediate_size"]
-    if family == "llama":
-        fields.append("num_key_value_heads")
-    for f in fields:
-        v = getattr(config, f, None)
-        if v is not None and v % tp:
-            raise ValueError(f"model {model_id!r}: config.{f}={v} is not divisible by tp_world_size={tp}")
+def _generator(spec) -> torch.Generator:
+    """A sequence's own sampling generator: seeded, or restored where its sequence was paused."""
+    gen = torch.Generator(device="cpu")
+    if spec.gen_state is not None:
+        gen.set_state(torch.frombuffer(bytearray(spec.gen_state), dtype=torch.uint8))
+    else:
+        gen.manual_seed(spec.seed)
+    return gen
 
 
 def _eos_ids(eos, device) -> Optional[torch.Tensor]:
@@ -79,10 +54,11 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
     return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
 
 
-class CausalLMRunner(StageRunner):
+class CausalLMRunner(GenerativeRunner):
     def __init__(self, model, model_config, ctx: StageContext):
         self.ctx = ctx
-        self.family = causal_lm_family(model)
+        family = decoder_family(model)
+        self.family = family.name
         self.config = model.config
         base = model.model.decoder if self.family == "opt" else model.model
         layers = list(base.layers)
@@ -103,17 +79,8 @@ class CausalLMRunner(StageRunner):
             else:
                 base.norm = nn.Identity()
         if ctx.tp > 1:
-            _check_tp(self.config, self.family, ctx.tp, ctx.model_id)
-            plan = _tp_plan(self.family)
-            for layer in base.layers:
-                missing = [name for name in plan if not _has_submodule(layer, name)]
-                if missing:  # parallelize_module would only warn, and the shards would not add up
-                    raise ValueError(f"model {ctx.model_id!r}: decoder layer has no {missing}; its "
-                                     f"{self.config.model_type} layout does not fit the {self.family} TP plan")
-                parallelize(layer, plan, ctx)
-                if self.family == "opt":  # OPT reshapes with the head count, not -1
-                    layer.self_attn.num_heads //= ctx.tp
-                    layer.self_attn.embed_dim //= ctx.tp  # some 5.x releases reshape with it
+            check_tp_divisible(self.config, family.tp_fields, ctx.tp, ctx.model_id)
+            shard_layers(base.layers, family, family.tp_plan(), ctx, self.config, what="decoder layer")
         self.model = model
         self.base = base
         self.module = model
@@ -126,12 +93,12 @@ class CausalLMRunner(StageRunner):
         self.running = RunningBatch()
         """The model's sequences between steps (token-level generation)."""
 
-    def batching_defaults(self) -> Dict[str, Any]:
+    def batching_defaults(self) -> BatchingDefaults:
         """What a batch manager needs to know about this model's token ids."""
         c = self.config
-        return {"pad_token_id": c.pad_token_id if c.pad_token_id is not None else 0,
-                "eos_token_id": c.eos_token_id, "vocab_size": c.vocab_size,
-                "max_positions": getattr(c, "max_position_embeddings", None)}
+        return BatchingDefaults(pad_token_id=c.pad_token_id if c.pad_token_id is not None else 0,
+                                eos_token_id=c.eos_token_id, vocab_size=c.vocab_size,
+                                max_positions=getattr(c, "max_position_embeddings", None))
 
     # ---- one forward of this stage ------------------------------------------
     def _stage_forward(self, x, attention_mask, position_ids, cache):
@@ -156,26 +123,22 @@ class CausalLMRunner(StageRunner):
 
     @staticmethod
     def _pick(logits: torch.Tensor, batch: Dict[str, Any], gen: Optional[torch.Generator]) -> torch.Tensor:
-        temperature = batch.get("temperature")
-        top_k = batch.get("top_k")
-        top_p = batch.get("top_p")
-        if not temperature or (top_k == 1):
-            return logits.argmax(-1)
-        logits = logits / float(temperature)
-        if top_k:
-            kth = torch.topk(logits, min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p is not None and top_p < 1.0:
-            sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-            probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs > float(top_p)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-        probs = logits.softmax(-1)
-        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        """The next token of every row: a request-level batch shares its sampling parameters (the batch
+        manager groups requests by them) and one generator, seeded with the batch's seed."""
+        from .running import sample_rows
+        return sample_rows(logits, batch.get("temperature"), batch.get("top_k"), batch.get("top_p"), gen)
 
     def run(self, batch: Dict[str, Any], weights_ready) -> Optional[torch.Tensor]:
-        """Request-level generation: the whole decode loop of one batch inside one command."""
+        """Request-level generation: the whole decode loop of one batch inside one command.
+
+        Serves ``RunBatch``, which the master sends for a causal LM only when it does not generate
+        token by token: ``EngineConfig.step_mode=False``, ``paper_mode`` (the paper's unit of work), or
+        a batch manager other than ``CausalLMBatchManager``. The batch is what its batch manager built
+        (``input_ids``, ``attention_mask``, ``max_new_tokens``, eos/pad ids and one set of sampling
+        parameters for all rows); it runs until every row has hit an EOS or ``max_new_tokens``, and the
+        output rank returns the new tokens [B, n] (rows that ended early are padded). Nothing stays on
+        the device afterwards: no KV cache outlives the command, so nothing is parked or dropped.
+        """
         from transformers import DynamicCache
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         ids = batch["input_ids"].to(dev)
@@ -232,14 +195,14 @@ class CausalLMRunner(StageRunner):
     def host_kv_bytes(self) -> int:
         return self.running.kv_bytes() if self.running.parked else 0
 
-    def park_running(self, recompute) -> Dict[str, Any]:
+    def park_running(self, recompute) -> ParkResult:
         """The model leaves the device: drop the sequences to be recomputed (their sampling generators'
         states go back to the master) and park the others' KV caches in host memory."""
         t0 = time.perf_counter()
         states = self.running.generator_states(recompute) if self.ctx.is_output_rank else {}
         self.running.drop(recompute)
         nbytes = self.running.park()
-        return {"kv_parked_bytes": nbytes, "kv_park_s": time.perf_counter() - t0, "gen_states": states}
+        return ParkResult(kv_parked_bytes=nbytes, kv_park_s=time.perf_counter() - t0, gen_states=states)
 
     def drop_sequences(self, sids) -> None:
         self.running.drop(sids)
@@ -268,14 +231,13 @@ class CausalLMRunner(StageRunner):
             y = None
         return y, failed, err
 
-    def step(self, cmd, weights_ready) -> Dict[str, Any]:
+    def step(self, cmd, weights_ready) -> StepResult:
         """Drop, prefill the admitted sequences, decode the running ones: one token each.
 
         Every rank runs this with the same command and ends in the same state: the
         output rank's status travels with the tokens, and on failure every rank
         drops the model's whole running batch.
         """
-        from transformers import DynamicCache
         from .running import RunningBatch, sample
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         rb: RunningBatch = self.running
@@ -285,64 +247,33 @@ class CausalLMRunner(StageRunner):
         t_restore = time.perf_counter() - t_restore
         n_run, admit = len(rb), list(cmd.admit)
         if not n_run and not admit:  # only drops (every rank knows): nothing to run or to agree on
-            return {"sids": (), "tokens": (), "ended": (), "running": 0, "kv_restored_bytes": restored,
-                    "kv_restore_s": t_restore}
+            return StepResult(kv_restored_bytes=restored, kv_restore_s=t_restore)
         tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
-        failed, err, logits = False, None, []
-        fresh = RunningBatch()
+        failed, err = False, None
         try:
             weights_ready()
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
-        if admit:
-            width = max(len(a.prompt) for a in admit)
-            ids = torch.full((len(admit), width), int(self.batching_defaults()["pad_token_id"]),
-                             dtype=torch.int64, device=dev)
-            fresh.mask = torch.zeros((len(admit), width), dtype=torch.int64, device=dev)
-            for i, a in enumerate(admit):
-                ids[i, width - len(a.prompt):] = torch.tensor(a.prompt, dtype=torch.int64, device=dev)
-                fresh.mask[i, width - len(a.prompt):] = 1
-            fresh.cache = DynamicCache()
-            y, failed, e = self._chain(ids, fresh.mask, width, fresh.cache, failed)
-            err = err or e
-            logits.append(y)
-        if n_run:
-            mask = torch.cat([rb.mask, rb.mask.new_ones(n_run, 1)], dim=1)
-            y, failed, e = self._chain(rb.last[:, None], mask, 1, rb.cache, failed)
-            err = err or e
-            logits.insert(0, y)
+        ids, mask, width = rb.step_inputs([list(a.prompt) for a in admit], int(self.batching_defaults().pad_token_id),
+                                          dev)
+        y, failed, e = self._chain(ids, mask, width, rb.cache, failed)
+        err = err or e
+        generators = {}
         if ctx.is_output_rank and not failed:
             try:
-                for a in admit:
-                    gen = torch.Generator(device="cpu")
-                    if a.gen_state is not None:
-                        gen.set_state(torch.frombuffer(bytearray(a.gen_state), dtype=torch.uint8))
-                    else:
-                        gen.manual_seed(a.seed)
-                    fresh.generators[a.sid] = gen
+                generators = {a.sid: _generator(a) for a in admit}
                 specs = [rb.specs[s] for s in rb.sids] + admit
-                gens = {**rb.generators, **fresh.generators}
-                tokens.copy_(sample(torch.cat([y.cpu() for y in logits]), specs, gens).to(dev))
+                tokens.copy_(sample(y.cpu(), specs, {**rb.generators, **generators}).to(dev))
             except Exception as exc:  # noqa: BLE001
                 failed, err = True, exc
         if not p2p.broadcast_with_status(tokens, not (failed and ctx.is_output_rank),
                                         g.layout.output_rank, g.data) or failed:
             rb.clear()
             raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
-        if n_run:
-            rb.mask = mask
-            rb.last = tokens[:n_run]
-            for s in rb.sids:
-                rb.counts[s] += 1
-        if admit:
-            fresh.sids = [a.sid for a in admit]
-            fresh.specs = {a.sid: a for a in admit}
-            fresh.counts = {a.sid: 1 for a in admit}
-            fresh.last = tokens[n_run:]
-            rb.merge(fresh)
+        rb.joined(admit, generators, mask, tokens)
         toks = tokens.tolist()
         sids = list(rb.sids)
         ended = rb.ended([t in rb.specs[s].eos for s, t in zip(sids, toks)])
         rb.drop(ended)
-        return {"sids": tuple(sids), "tokens": tuple(toks), "ended": tuple(ended), "running": len(rb),
-                "kv_restored_bytes": restored, "kv_restore_s": t_restore}
+        return StepResult(sids=tuple(sids), tokens=tuple(toks), ended=tuple(ended), running=len(rb),
+                          kv_restored_bytes=restored, kv_restore_s=t_restore)

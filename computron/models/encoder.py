@@ -31,10 +31,9 @@ import torch
 from torch import nn
 
 from .. import p2p
-from .base import StageContext, StageRunner, parallelize, uniform_split
-from .registry import Family, encoder_family
-
-POOLINGS = ("mean", "cls")
+from ..validation import POOLINGS
+from .base import StageContext, StageRunner, uniform_split
+from .registry import check_tp_divisible, encoder_family, shard_layers
 
 
 def _parent(root: nn.Module, path: str):
@@ -86,14 +85,6 @@ def pool(hidden: torch.Tensor, mask: Optional[torch.Tensor], how: str) -> torch.
     return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
 
 
-def check_tp(config, family: Family, tp: int, model_id: str) -> None:
-    """Raise ValueError naming the model and config field that ``tp`` does not divide."""
-    for f in family.tp_fields:
-        v = getattr(config, f, None)
-        if v is not None and v % tp:
-            raise ValueError(f"model {model_id!r}: config.{f}={v} is not divisible by tp_world_size={tp}")
-
-
 class EncoderRunner(StageRunner):
     def __init__(self, model, model_config, ctx: StageContext):
         family = encoder_family(model)
@@ -120,19 +111,9 @@ class EncoderRunner(StageRunner):
             _drop(backbone, family.final_norm)
             _drop(backbone, family.pooler)
         if ctx.tp > 1:
-            check_tp(config, family, ctx.tp, ctx.model_id)
+            check_tp_divisible(config, family.tp_fields, ctx.tp, ctx.model_id)
             plan = model_config.tp_plan if model_config.tp_plan is not None else family.tp_plan()
-            for layer in self.layers:
-                missing = [p for p in plan if _get(layer, p) is None]
-                if missing:  # parallelize_module would only warn, and the shards would not add up
-                    raise ValueError(f"model {ctx.model_id!r}: layer has no {missing}; its {config.model_type} "
-                                     f"layout does not fit the {family.name} TP plan")
-                parallelize(layer, plan, ctx)
-                for path in family.divide:  # what transformers may reshape with: this rank's share
-                    mod_path, _, attr = path.rpartition(".")
-                    mod = layer.get_submodule(mod_path) if mod_path else layer
-                    if hasattr(mod, attr):
-                        setattr(mod, attr, getattr(mod, attr) // ctx.tp)
+            shard_layers(self.layers, family, plan, ctx, config)
         self.stage_output = None
         if ctx.is_last and self.has_head:
             self.stage_output = _StageOutput(backbone)
@@ -210,4 +191,4 @@ class EncoderRunner(StageRunner):
         return out if ctx.is_output_rank else None
 
 
-__all__ = ["EncoderRunner", "pool", "check_tp", "POOLINGS"]
+__all__ = ["EncoderRunner", "pool", "POOLINGS"]

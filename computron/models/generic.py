@@ -6,6 +6,7 @@ from typing import Any, Optional
 import torch
 
 from .base import StageContext, StageRunner, parallelize
+from .registry import CAUSAL_LM, GENERIC_HINT, model_types
 
 _log = logging.getLogger("computron.models")
 
@@ -21,10 +22,9 @@ class ModuleRunner(StageRunner):
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         can_generate = getattr(module, "can_generate", None)  # a transformers generative model (GPT-2, ...)
         if model_type is not None and callable(can_generate) and can_generate():
-            from ..preflight import generic_hint, supported_families
             raise ValueError(f"model {model_config.model_id!r}: {type(module).__name__} ({model_type!r}) is a causal "
-                             f"LM the engine cannot shard (supported model_type: {', '.join(supported_families())})"
-                             f"; {generic_hint()}")
+                             f"LM the engine cannot shard (supported model_type: "
+                             f"{', '.join(sorted(model_types(CAUSAL_LM)))}); {GENERIC_HINT}")
         if ctx.tp > 1 and model_config.tp_plan is None and any(True for _ in module.parameters()):
             # not split: every TP rank holds (and loads) the whole module. Refused would break modules
             # users replicate on purpose; said loudly instead, once per model (by its first rank).

@@ -1,24 +1,32 @@
-"""Which transformers architectures can be sharded, and how: one entry per family.
+"""Which transformers architectures can be sharded, and how: the one family table.
 
 An entry names, relative to the family's backbone (``model.base_model``), the
 module that turns inputs into hidden states (``embeddings``), the list of
 layers split over pipeline stages (``layers``), what runs after the last layer
 (``final_norm``, ``pooler``), the tensor-parallel plan of one layer
-(column-parallel then row-parallel Linear paths) and the per-layer attributes
-that hold head counts or widths transformers reshapes with (divided by the TP
-size). Supporting a new encoder family is one more entry here; the task heads
-on top (sequence/token/image classification) run through the model's own
-forward, so they need no entry at all.
+(column-parallel then row-parallel Linear paths), the per-layer attributes that
+hold head counts or widths transformers reshapes with (divided by the TP size)
+and the config fields the TP size must divide. ``runner`` says which runner
+serves the family: ``encoder.EncoderRunner`` (BERT, RoBERTa, ViT: supporting a
+new encoder family is one more entry here; task heads run through the model's
+own forward and need no entry) or ``causal_lm.CausalLMRunner`` (OPT- and
+Llama-shaped decoders, whose TP plans and checks come from here too).
 
-Causal LMs (OPT, Llama) are listed for reference only: they keep their own
-runner, ``causal_lm.CausalLMRunner``.
+Everything else that knows families asks this table: ``preflight`` (which
+causal LMs can be sharded, which config fields a TP size must divide),
+``checkpoint.meta_model`` (whether a checkpoint can be read slice by slice) and
+the server (which checkpoints are encoders).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 from torch import nn
+
+from .base import StageContext, parallelize
+
+ENCODER, CAUSAL_LM = "encoder", "causal_lm"
 
 
 @dataclass(frozen=True)
@@ -26,8 +34,6 @@ class Family:
     name: str
     model_types: Tuple[str, ...]
     """transformers ``config.model_type`` values laid out this way."""
-    inputs: str
-    """'text' (input_ids, attention_mask, token_type_ids) or 'image' (pixel_values)."""
     embeddings: str
     """Backbone path of the embedding module; called with ``embed_inputs`` as keywords."""
     embed_inputs: Tuple[str, ...]
@@ -40,14 +46,13 @@ class Family:
     divide: Tuple[str, ...] = ()
     """Layer-relative 'module.attribute' paths of head counts / widths to divide by the TP size."""
     tp_fields: Tuple[str, ...] = ("num_attention_heads", "intermediate_size")
-    """Config fields that must be divisible by the TP size."""
+    """Config fields that must be divisible by the TP size (checked in this order)."""
     final_norm: Optional[str] = None
     """Backbone path of a norm applied after the last layer (ViT's ``layernorm``)."""
     pooler: Optional[str] = "pooler"
     """Backbone path of the pooler (may be absent on a given model)."""
-    runner: str = "encoder"
-    """Which runner serves it: 'encoder' (models/encoder.py) or 'causal_lm' (reference only)."""
-    extra: Dict[str, str] = field(default_factory=dict)
+    runner: str = ENCODER
+    """Which runner serves it: ``ENCODER`` (models/encoder.py) or ``CAUSAL_LM`` (models/causal_lm.py)."""
 
     def tp_plan(self) -> dict:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -57,7 +62,7 @@ class Family:
 
 
 _BERT_LIKE = dict(
-    inputs="text", embeddings="embeddings", embed_inputs=("input_ids", "token_type_ids"), layers="encoder.layer",
+    embeddings="embeddings", embed_inputs=("input_ids", "token_type_ids"), layers="encoder.layer",
     colwise=("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
     rowwise=("attention.output.dense", "output.dense"),
     divide=("attention.self.num_attention_heads", "attention.self.all_head_size"),
@@ -66,25 +71,43 @@ _BERT_LIKE = dict(
 FAMILIES: Tuple[Family, ...] = (
     Family("bert", ("bert",), **_BERT_LIKE),
     Family("roberta", ("roberta", "xlm-roberta"), **_BERT_LIKE),
-    Family("vit", ("vit",), inputs="image", embeddings="embeddings", embed_inputs=("pixel_values",),
+    Family("vit", ("vit",), embeddings="embeddings", embed_inputs=("pixel_values",),
            layers="layers", colwise=("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
            rowwise=("attention.o_proj", "mlp.fc2"), divide=("attention.num_attention_heads",),
            final_norm="layernorm"),
-    # reference only: served by causal_lm.CausalLMRunner, whose plans live there
-    Family("opt", ("opt",), inputs="text", embeddings="decoder.embed_tokens", embed_inputs=("input_ids",),
+    # OPT reshapes with its head count and width, not -1: both are divided
+    Family("opt", ("opt",), embeddings="decoder.embed_tokens", embed_inputs=("input_ids",),
            layers="decoder.layers", colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
            rowwise=("self_attn.out_proj", "fc2"), divide=("self_attn.num_heads", "self_attn.embed_dim"),
            tp_fields=("num_attention_heads", "ffn_dim"), final_norm="decoder.final_layer_norm", pooler=None,
-           runner="causal_lm"),
-    Family("llama", ("llama", "mistral", "qwen2"), inputs="text", embeddings="embed_tokens",
+           runner=CAUSAL_LM),
+    # separate q/k/v and gate/up projections
+    Family("llama", ("llama", "mistral", "qwen2"), embeddings="embed_tokens",
            embed_inputs=("input_ids",), layers="layers",
            colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
            rowwise=("self_attn.o_proj", "mlp.down_proj"),
-           tp_fields=("num_attention_heads", "num_key_value_heads", "intermediate_size"), final_norm="norm",
-           pooler=None, runner="causal_lm"),
+           tp_fields=("num_attention_heads", "intermediate_size", "num_key_value_heads"), final_norm="norm",
+           pooler=None, runner=CAUSAL_LM),
 )
 
 _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
+
+GENERIC_HINT = ("to serve another module, give ModelConfig a model_fn that returns an nn.Module whose forward "
+                "takes the request as your batch manager makes it (served as a generic module: pp_world_size=1, "
+                "split under TP only by ModelConfig.tp_plan)")
+"""What to do with a model no family fits; said by every error that refuses one."""
+
+
+def model_types(runner: str) -> FrozenSet[str]:
+    """The transformers ``model_type`` values that ``runner`` (``ENCODER`` or ``CAUSAL_LM``) serves."""
+    return frozenset(t for f in FAMILIES if f.runner == runner for t in f.model_types)
+
+
+def tp_fields_of_any_family() -> Tuple[str, ...]:
+    """Every config field some family needs divisible by the TP size, then ``hidden_size``: what a
+    config.json is checked for before it is known which runner will serve it."""
+    fields = dict.fromkeys(f for fam in FAMILIES for f in fam.tp_fields)
+    return tuple(fields) + ("hidden_size",)
 
 
 def family_of(module) -> Optional[Family]:
@@ -99,15 +122,26 @@ def family_of(module) -> Optional[Family]:
 def encoder_family(module) -> Optional[Family]:
     """The family entry when ``models/encoder.py`` serves this module, else None."""
     fam = family_of(module)
-    if fam is None or fam.runner != "encoder":
+    if fam is None or fam.runner != ENCODER:
         return None
     base = getattr(module, "base_model", None)
-    if not isinstance(base, nn.Module) or not _has(base, fam.layers) or not _has(base, fam.embeddings):
+    if not isinstance(base, nn.Module) or not has_submodule(base, fam.layers) or \
+            not has_submodule(base, fam.embeddings):
         return None
     return fam
 
 
-def _has(module: nn.Module, path: str) -> bool:
+def decoder_family(module) -> Optional[Family]:
+    """The family entry when ``models/causal_lm.py`` serves this module (a causal LM with its ``lm_head``
+    and decoder ``model``), else None."""
+    if not hasattr(module, "lm_head") or not hasattr(module, "model"):
+        return None
+    fam = family_of(module)
+    return fam if fam is not None and fam.runner == CAUSAL_LM else None
+
+
+def has_submodule(module: nn.Module, path: str) -> bool:
+    """Whether ``module.get_submodule(path)`` finds a module (not None, not a plain attribute)."""
     try:
         module.get_submodule(path)
         return True
@@ -115,4 +149,38 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-__all__ = ["Family", "FAMILIES", "family_of", "encoder_family"]
+def check_tp_divisible(config: Any, fields: Sequence[str], tp: int, model_id: str,
+                       source: Optional[str] = None) -> None:
+    """Raise ValueError naming the model and the first of ``fields`` that ``tp`` does not divide.
+
+    ``config`` is a transformers config (fields as attributes) or a config.json dict; ``source`` names
+    where a dict came from in the message (``checkpoint 'path'``), else the field is named ``config.X``.
+    Fields the config lacks are skipped.
+    """
+    for f in fields:
+        v = config.get(f) if isinstance(config, dict) else getattr(config, f, None)
+        if isinstance(v, int) and v % tp:
+            what = f"{source} has {f}={v}, not" if source else f"config.{f}={v} is not"
+            raise ValueError(f"model {model_id!r}: {what} divisible by tp_world_size={tp}")
+
+
+def shard_layers(layers: Sequence[nn.Module], family: Family, plan: dict, ctx: StageContext, config,
+                 what: str = "layer") -> None:
+    """Split each of ``layers`` by the TP ``plan`` and divide the family's head counts and widths by the TP
+    size. A layer that lacks a module the plan names fails (``parallelize_module`` would only warn, and
+    the shards would not add up); ``what`` names the layer in that message."""
+    for layer in layers:
+        missing = [p for p in plan if not has_submodule(layer, p)]
+        if missing:
+            raise ValueError(f"model {ctx.model_id!r}: {what} has no {missing}; its {config.model_type} "
+                             f"layout does not fit the {family.name} TP plan")
+        parallelize(layer, plan, ctx)
+        for path in family.divide:  # what transformers may reshape with: this rank's share
+            mod_path, _, attr = path.rpartition(".")
+            mod = layer.get_submodule(mod_path) if mod_path else layer
+            if hasattr(mod, attr):
+                setattr(mod, attr, getattr(mod, attr) // ctx.tp)
+
+
+__all__ = ["Family", "FAMILIES", "ENCODER", "CAUSAL_LM", "GENERIC_HINT", "model_types", "tp_fields_of_any_family",
+           "family_of", "encoder_family", "decoder_family", "has_submodule", "check_tp_divisible", "shard_layers"]

@@ -2,20 +2,18 @@
 
 The batch is left-padded: row ``i`` holds sequence ``sids[i]``, its attention
 mask row is 0 over the padding, and every layer's KV cache has one row per
-sequence (``[batch, heads, length, head_dim]``). Sequences join by
-concatenation (the shorter side is padded on the left) and leave by row
-selection, after which columns that are padding in every row are cut off, as
-TGI's causal-LM batch does. Every rank applies the same operations in the same
+sequence (``[batch, heads, length, head_dim]``). Sequences join in the same
+forward that decodes the running ones (``step_inputs``, then ``joined``, which
+compacts the padding that leaves) and leave by row selection, after which
+columns that are padding in every row are cut off. Every rank applies the same operations in the same
 order, so their batches stay identical in shape; only the output rank holds
 the per-sequence random generators.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Iterable, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 
 def _layers(cache):
@@ -105,59 +103,100 @@ class RunningBatch:
             layer.keys = layer.keys.index_select(0, idx.to(layer.keys.device))[..., first:, :]
             layer.values = layer.values.index_select(0, idx.to(layer.values.device))[..., first:, :]
 
-    # ---- joining -------------------------------------------------------------
-    def merge(self, other: "RunningBatch") -> None:
-        """Append ``other``'s sequences (a freshly prefilled batch) after this batch's rows."""
-        if not len(other):
+    # ---- one forward for every row ------------------------------------------
+    def step_inputs(self, prompts: List[List[int]], pad_id: int, device: torch.device):
+        """The inputs of one forward that prefills ``prompts`` (new rows, appended after the running
+        ones) and decodes the running rows: ``(input_ids [B, W], attention_mask [B, L + W], W)``.
+
+        Every row gets ``W`` new columns, the longest prompt's length (1 without prompts): a running
+        row's newest token sits in the last of them, left of it are masked padding columns; a new row's
+        cache is ``L`` masked zero columns, so every row of every layer has the same length. A step
+        thus costs one forward, not a prefill forward plus a decode forward (on few small tensors
+        the fixed cost of a forward, collectives included, dominates). ``compact`` removes the
+        padding columns this leaves between a running row's history and its newest token.
+        """
+        n_run, n_new = len(self), len(prompts)
+        width = max((len(p) for p in prompts), default=1)
+        ids = torch.full((n_run + n_new, width), pad_id, dtype=torch.int64, device=device)
+        new_mask = torch.zeros((n_run + n_new, width), dtype=torch.int64, device=device)
+        if n_run:
+            ids[:n_run, -1] = self.last
+            new_mask[:n_run, -1] = 1
+        for i, prompt in enumerate(prompts):
+            ids[n_run + i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64, device=device)
+            new_mask[n_run + i, width - len(prompt):] = 1
+        if not n_run:
+            from transformers import DynamicCache
+            self.cache = DynamicCache()
+            return ids, new_mask, width
+        old = self.mask
+        if n_new:
+            old = torch.cat([old, old.new_zeros(n_new, old.shape[1])])
+            for layer in _layers(self.cache):
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((n_new, *layer.keys.shape[1:]))])
+                layer.values = torch.cat([layer.values,
+                                          layer.values.new_zeros((n_new, *layer.values.shape[1:]))])
+        return ids, torch.cat([old, new_mask], dim=1), width
+
+    def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask: torch.Tensor,
+               last: torch.Tensor) -> None:
+        """After a step's forward: the new rows' sequences join, every row has its newest token."""
+        for spec in specs:
+            self.sids.append(spec.sid)
+            self.specs[spec.sid] = spec
+            self.counts[spec.sid] = 0
+        for s in self.sids:
+            self.counts[s] += 1
+        self.generators.update(generators)
+        self.mask, self.last = mask, last
+        if specs and len(self) > len(specs):
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's unmasked columns to the right end and cut the columns no row uses."""
+        width = int(self.mask.sum(1).max())
+        if width == self.mask.shape[1]:
             return
-        if not len(self):
-            self.__dict__.update(other.__dict__)
-            return
-        la, lb = self.mask.shape[1], other.mask.shape[1]
-        width = max(la, lb)
-        self.mask = torch.cat([F.pad(self.mask, (width - la, 0)), F.pad(other.mask, (width - lb, 0))], 0)
-        self.last = torch.cat([self.last, other.last])
-        mine, theirs = _layers(self.cache), _layers(other.cache)
-        if len(mine) != len(theirs):
-            raise RuntimeError(f"KV caches of {len(mine)} and {len(theirs)} layers cannot be merged")
-        for a, b in zip(mine, theirs):
-            a.keys = torch.cat([F.pad(a.keys, (0, 0, width - la, 0)), F.pad(b.keys, (0, 0, width - lb, 0))], 0)
-            a.values = torch.cat([F.pad(a.values, (0, 0, width - la, 0)),
-                                  F.pad(b.values, (0, 0, width - lb, 0))], 0)
-        self.sids += other.sids
-        self.specs.update(other.specs)
-        self.counts.update(other.counts)
-        self.generators.update(other.generators)
+        idx = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]  # masked columns first, in order
+        self.mask = self.mask.gather(1, idx)
+        for layer in _layers(self.cache):
+            b, h, _, d = layer.keys.shape
+            kv_idx = idx.to(layer.keys.device)[:, None, :, None].expand(b, h, width, d)
+            layer.keys = layer.keys.gather(2, kv_idx)
+            layer.values = layer.values.gather(2, kv_idx)
 
     def ended(self, eos_hit: List[bool]) -> List[int]:
         """Sequences whose newest token is an EOS or that reached their max_tokens."""
         return [s for s, hit in zip(self.sids, eos_hit) if hit or self.counts[s] >= self.specs[s].max_tokens]
 
 
+def sample_rows(logits: torch.Tensor, temperature: Optional[float], top_k: Optional[int] = 0,
+                top_p: Optional[float] = 1.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of ``logits`` [N, V], every row with the same sampling parameters, drawn
+    with one generator in one call: greedy where ``temperature`` is 0 or ``top_k`` is 1, else sampled
+    from the temperature-scaled distribution cut to the ``top_k`` tokens and the ``top_p`` nucleus.
+    ``top_k`` 0 or None and ``top_p`` 1.0 or None do not cut."""
+    if not temperature or top_k == 1:
+        return logits.argmax(-1)
+    logits = logits / float(temperature)
+    if top_k:
+        kth = torch.topk(logits, min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > float(top_p)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
 def sample(logits: torch.Tensor, specs: List[object], generators: Dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row: greedy where a row's temperature is 0 (or top_k is 1), else sampled with
-    that sequence's own generator, so a seeded sequence gets the same tokens in any batch."""
+    """One token per row: row ``i`` with ``specs[i]``'s parameters and, where it samples, that
+    sequence's own generator, so a seeded sequence gets the same tokens in any batch."""
     out = logits.argmax(-1)
     for i, spec in enumerate(specs):
-        if not spec.temperature or spec.top_k == 1:
-            continue
-        row = logits[i:i + 1] / float(spec.temperature)
-        if spec.top_k:
-            kth = torch.topk(row, min(int(spec.top_k), row.shape[-1]), dim=-1).values[:, -1:]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if spec.top_p < 1.0:
-            sorted_row, idx = torch.sort(row, descending=True, dim=-1)
-            probs = sorted_row.softmax(-1)
-            drop = probs.cumsum(-1) - probs > float(spec.top_p)
-            sorted_row = sorted_row.masked_fill(drop, float("-inf"))
-            row = torch.full_like(row, float("-inf")).scatter(-1, idx, sorted_row)
-        out[i] = torch.multinomial(row.softmax(-1), 1, generator=generators[spec.sid])[0, 0]
+        if spec.temperature and spec.top_k != 1:
+            out[i] = sample_rows(logits[i:i + 1], spec.temperature, spec.top_k, spec.top_p,
+                                 generators[spec.sid])[0]
     return out
-
-
-def is_valid_seed(seed) -> bool:
-    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63
-
-
-def is_finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,112 @@
+"""Production loading of local checkpoints: the loaders ``computron serve`` names, dtypes, tokenizer files.
+
+Every fact here has one home: the dtype names a checkpoint may be loaded in
+(``DTYPES``, also the server's ``--dtype`` choices), the files that make a
+directory hold a tokenizer (``TOKENIZER_FILES``), and which of these loaders
+read a checkpoint directory named by their ``path`` argument
+(``loader_checkpoint``, what ``checkpoint.checkpoint_of`` reads slice by slice).
+Nothing is downloaded: every loader passes ``local_files_only``.
+
+The random-weight fixtures that write such checkpoints live in
+:mod:`computron.testing`. Importing this module does not import torch (the CLI
+reads ``DTYPES`` for ``--help``); the loaders import it when called.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, Optional, Tuple
+
+DTYPES = ("float32", "float16", "bfloat16")
+"""dtype names a model may be loaded in; each is also the name of the torch dtype."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                   "spiece.model", "sentencepiece.bpe.model")
+"""Files of which any one lets ``AutoTokenizer.from_pretrained`` load a tokenizer from a directory
+(fast tokenizers, SentencePiece models, WordPiece and BPE vocabularies)."""
+
+
+def torch_dtype(name: str, where: str = "dtype"):
+    """The torch dtype called ``name`` (one of ``DTYPES``); ``ValueError`` naming ``where`` otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"{where}: dtype={name!r}: must be one of {sorted(DTYPES)}")
+    import torch
+    return getattr(torch, name)
+
+
+def checkpoint_dtype(path: str) -> Optional[str]:
+    """The dtype name a checkpoint's config.json records (``dtype``, or the older ``torch_dtype``), or None."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("dtype") or cfg.get("torch_dtype")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether the directory ``path`` holds tokenizer files (any of ``TOKENIZER_FILES``)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def architecture_class(config) -> Optional[type]:
+    """The transformers class a config's ``architectures[0]`` names, or None."""
+    import transformers
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return getattr(transformers, arch, None) if arch else None
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
+def _dtype_kwargs(dtype: Optional[str], where: str) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = torch_dtype(dtype, where)
+    return kwargs
+
+
+def load_causal_lm(path: str, dtype: Optional[str] = None):
+    """Load a local causal-LM checkpoint directory (never the hub): the ``model_fn`` of ``computron serve``
+    and of the examples.
+
+    ``dtype`` (``float32``, ``float16``, ``bfloat16``) converts the weights on load; None keeps the
+    checkpoint's own dtype.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        what = "is not a directory" if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else \
+            "does not exist"
+        raise FileNotFoundError(f"load_causal_lm: checkpoint directory {path!r} {what} "
+                                "(local checkpoints only: nothing is downloaded)")
+    from transformers import AutoModelForCausalLM
+    _quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(path, **_dtype_kwargs(dtype, f"load_causal_lm({path!r})")).eval()
+
+
+def load_encoder(path: str, dtype: Optional[str] = None):
+    """Load a local encoder/ViT checkpoint with the class its config names (never the hub): a ``model_fn``."""
+    from transformers import AutoConfig
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    cls = architecture_class(config)
+    if cls is None:
+        raise ValueError(f"checkpoint {path!r}: config.architectures={config.architectures!r} names no "
+                         "transformers class")
+    return cls.from_pretrained(path, **_dtype_kwargs(dtype, f"load_encoder({path!r})")).eval()
+
+
+CHECKPOINT_LOADERS: Tuple[Callable, ...] = (load_causal_lm, load_encoder)
+"""The loaders whose ``path`` and ``dtype`` arguments fully describe what they build."""
+
+
+def loader_checkpoint(model_fn: Callable, kwargs: Dict[str, Any]) -> Optional[Tuple[str, Optional[str]]]:
+    """``(path, dtype or None)`` when ``model_fn(**kwargs)`` is one of ``CHECKPOINT_LOADERS`` reading a local
+    directory; None for any other function, or for arguments whose meaning is not known here."""
+    if not any(model_fn is f for f in CHECKPOINT_LOADERS) or not isinstance(kwargs.get("path"), (str, os.PathLike)):
+        return None
+    if set(kwargs) - {"path", "dtype"}:
+        return None
+    return os.fspath(kwargs["path"]), kwargs.get("dtype")
+
+
+__all__ = ["DTYPES", "TOKENIZER_FILES", "torch_dtype", "checkpoint_dtype", "has_tokenizer", "architecture_class",
+           "load_causal_lm", "load_encoder", "CHECKPOINT_LOADERS", "loader_checkpoint"]
