@@ -2,30 +2,24 @@
 
 Commands go from the master to every worker at once, in one total order that
 all workers see; replies go from a worker back to the master. Every command
-carries a ``seq`` so replies can be matched to it.
+carries a ``seq`` so replies can be matched to it, and each has one reply type
+(``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
+``RunBatch`` -> ``BatchDone``, ``Step`` -> ``StepDone``, ``QueryStats`` ->
+``Stats``), or ``CommandFailed`` from any of them. The worker dispatches on the
+command's type. The replies that complete a model's command are ``CommandDone``s
+(command, rank, start and end); ``StepDone`` and ``Offloaded`` also carry what
+the runner returned (``StepResult``, ``ParkResult``).
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
-
-
-class Command(enum.Enum):
-    LOAD = "load"
-    OFFLOAD = "offload"
-    RUN = "run"
-    STEP = "step"
-    DROP = "drop"
-    STATS = "stats"
-    SHUTDOWN = "shutdown"
 
 
 @dataclass(frozen=True)
 class Load:
     seq: int
     model_id: str
-    kind = Command.LOAD
 
 
 @dataclass(frozen=True)
@@ -36,7 +30,6 @@ class Offload:
     seq: int
     model_id: str
     recompute: Tuple[int, ...] = ()
-    kind = Command.OFFLOAD
 
 
 @dataclass(frozen=True)
@@ -45,7 +38,6 @@ class Drop:
     seq: int
     model_id: str
     sids: Tuple[int, ...]
-    kind = Command.DROP
 
 
 @dataclass(frozen=True)
@@ -53,7 +45,6 @@ class RunBatch:
     seq: int
     model_id: str
     batch: Any
-    kind = Command.RUN
 
 
 @dataclass(frozen=True)
@@ -84,20 +75,68 @@ class Step:
     model_id: str
     admit: Tuple[SeqSpec, ...] = ()
     drop: Tuple[int, ...] = ()
-    kind = Command.STEP
 
 
 @dataclass(frozen=True)
 class QueryStats:
     """Ask every worker for its device memory accounting (tests, benchmarks)."""
     seq: int
-    kind = Command.STATS
 
 
 @dataclass(frozen=True)
 class Shutdown:
     seq: int = -1
-    kind = Command.SHUTDOWN
+
+
+# ---- what runners return (``models.base.GenerativeRunner``), carried by replies ---
+
+
+@dataclass(frozen=True)
+class BatchingDefaults:
+    """What a batch manager on the master needs to know about a generative model's token ids."""
+    pad_token_id: int
+    eos_token_id: Any
+    """One id, a list of them (Llama 3), or None."""
+    vocab_size: int
+    max_positions: Optional[int] = None
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """The keyword arguments of ``CausalLMBatchManager``."""
+        return asdict(self)
+
+    # a mapping too, so that ``CausalLMBatchManager(**defaults)`` works as it did with a dict
+    def keys(self):
+        return self.as_kwargs().keys()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_kwargs()[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """One generation step on one rank (every rank computes all of it).
+
+    ``sids[i]`` got ``tokens[i]`` in this step; ``ended`` lists the sequences that
+    ended with it (EOS or max_tokens) and left the running batch on every rank;
+    ``running`` sequences stay.
+    """
+    sids: Tuple[int, ...] = ()
+    tokens: Tuple[int, ...] = ()
+    ended: Tuple[int, ...] = ()
+    running: int = 0
+    kv_restored_bytes: int = 0
+    """KV cache bytes of paused sequences brought back from host memory at the start of this step."""
+    kv_restore_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParkResult:
+    """A preempted model's running sequences, put aside before its weights leave the device."""
+    kv_parked_bytes: int = 0
+    """KV cache bytes of paused sequences moved to host memory (this rank)."""
+    kv_park_s: float = 0.0
+    gen_states: Dict[int, bytes] = field(default_factory=dict)
+    """Output rank: generator states of sampled sequences dropped for recompute."""
 
 
 # ---- worker -> master -------------------------------------------------------
@@ -114,8 +153,19 @@ class WorkerReady:
     """Total memory of this rank's device (host RAM for CPU workers), for fractional device budgets."""
     host_resident: Optional[Tuple[str, ...]] = None
     """Models whose shard this rank keeps in host memory after start-up (None: all of them)."""
-    batching: Dict[str, dict] = field(default_factory=dict)
-    """model_id -> CausalLMBatchManager arguments for causal LMs (pad/eos ids, vocabulary, positions)."""
+    batching: Dict[str, BatchingDefaults] = field(default_factory=dict)
+    """model_id -> what a CausalLMBatchManager needs (pad/eos ids, vocabulary, positions), for causal LMs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandDone:
+    """What every reply that completes a model's command carries: the command, the rank, and when
+    (``time.perf_counter`` of that rank) it ran."""
+    seq: int
+    rank: int
+    model_id: str
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -124,13 +174,8 @@ class WorkerStartFailed:
     error: str
 
 
-@dataclass(frozen=True)
-class Loaded:
-    seq: int
-    rank: int
-    model_id: str
-    start: float
-    end: float
+@dataclass(frozen=True, kw_only=True)
+class Loaded(CommandDone):
     nbytes: int
     device_bytes: int
     tier: str = "host"
@@ -143,53 +188,30 @@ class Loaded:
     """The models whose shard this rank holds in host memory after this load (None: not reported)."""
 
 
-@dataclass(frozen=True)
-class Offloaded:
-    seq: int
-    rank: int
-    model_id: str
-    start: float
-    end: float
+@dataclass(frozen=True, kw_only=True)
+class Offloaded(ParkResult, CommandDone):
+    """Sent by every rank: the weights left the device, and its running sequences were parked."""
     device_bytes: int
-    kv_parked_bytes: int = 0
-    """KV cache bytes of paused sequences moved to host memory (this rank)."""
-    kv_park_s: float = 0.0
-    gen_states: Dict[int, bytes] = field(default_factory=dict)
-    """Output rank: generator states of sampled sequences dropped for recompute."""
 
 
-@dataclass(frozen=True)
-class BatchDone:
+@dataclass(frozen=True, kw_only=True)
+class Dropped(CommandDone):
+    """The answer to ``Drop``, from every rank."""
+    kv_bytes: int = 0
+    """KV caches of the model left on this rank's device."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchDone(CommandDone):
     """Sent by every rank; only the output rank carries ``output``."""
-    seq: int
-    rank: int
-    model_id: str
-    start: float
-    end: float
     output: Any = None
     has_output: bool = False
 
 
-@dataclass(frozen=True)
-class StepDone:
-    """Sent by every rank; only the output rank carries the tokens.
-
-    ``sids[i]`` got ``tokens[i]`` in this step; ``ended`` lists the sequences that
-    ended with it (EOS or max_tokens) and left the running batch on every rank.
-    """
-    seq: int
-    rank: int
-    model_id: str
-    start: float
-    end: float
-    sids: Tuple[int, ...] = ()
-    tokens: Tuple[int, ...] = ()
-    ended: Tuple[int, ...] = ()
-    running: int = 0
+@dataclass(frozen=True, kw_only=True)
+class StepDone(StepResult, CommandDone):
+    """Sent by every rank; only the output rank carries ``sids``, ``tokens`` and ``ended``."""
     kv_bytes: int = 0
-    kv_restored_bytes: int = 0
-    """KV cache bytes of paused sequences brought back from host memory at the start of this step."""
-    kv_restore_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -212,8 +234,14 @@ class CommandFailed:
     rank: int
     model_id: Optional[str]
     error: str
+    """``"<exception type>: <message>"``, for people."""
     fatal: bool = False
     """The worker cannot go on (a data-plane timeout or a closed connection): the engine must die."""
+    exc_type: str = ""
+    """The exception's class name."""
+    upstream: bool = False
+    """Only a consequence: an earlier pipeline stage failed (``p2p.UpstreamFailed``), and that rank's
+    own failure is the root cause."""
 
 
 @dataclass(frozen=True)

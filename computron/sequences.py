@@ -200,14 +200,14 @@ class TokenBatch:
         admit, rejected, budget = [], [], self.max_step_tokens
         now = time.perf_counter()
         self.paused_since = None
-        while self.to_recompute and len(self.running) + len(admit) < self.max_batch_size \
+        while self.to_recompute and len(self.running) < self.max_batch_size \
                 and (not admit or budget > 0):
             req = self.to_recompute.popleft()
             spec = self.resume_spec(req)
             budget -= len(spec.prompt)
             self.running[spec.sid] = req
             admit.append(spec)
-        while queue and len(self.running) + len(admit) < self.max_batch_size:
+        while queue and len(self.running) < self.max_batch_size:
             entry = queue[0]
             req = requests[entry.uid]
             try:

@@ -2,25 +2,29 @@
 
 Commands arrive in the same order on every rank. LOAD starts an asynchronous
 copy and returns at once, so batches of other models keep running meanwhile;
-OFFLOAD and RUN execute in the command loop. Any command that raises is
-reported to the master as ``CommandFailed`` and the loop goes on.
+OFFLOAD and RUN execute in the command loop. Each command type has one handler
+(``Worker._handlers``) and one reply type (see ``messages``). Any command that
+raises is reported to the master as ``CommandFailed`` and the loop goes on.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from . import messages as msg
+from . import p2p
 from .config import EngineConfig, ModelConfig
 from .models import StageContext, make_runner
-from .store import DevicePool, HostPool, PaperStore, ShardStore
+from .models.base import GenerativeRunner, ParkResult, StageRunner
+from .store import DevicePool, HostPool, PaperStore, ShardStore, Store
 
 log = logging.getLogger("computron.worker")
 
@@ -34,8 +38,8 @@ class Worker:
         self.config = engine_config
         self.device = device
         self.model_configs = {mc.model_id: mc for mc in model_configs}
-        self.runners: Dict[str, object] = {}
-        self.stores: Dict[str, object] = {}
+        self.runners: Dict[str, StageRunner] = {}
+        self.stores: Dict[str, Store] = {}
         self.pool = DevicePool(device) if device.type == "cpu" else None
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.host_pool = HostPool(pin=device.type == "cuda") if engine_config.host_budget is not None else None
@@ -43,6 +47,10 @@ class Worker:
         self._busy: Optional[tuple] = None  # (seq, since) of the command being executed
         self._stop_heartbeat = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._handlers: Dict[type, Callable[[Any], None]] = {
+            msg.Load: self._on_load, msg.Offload: self._on_offload, msg.Drop: self._on_drop,
+            msg.RunBatch: self._on_run, msg.Step: self._on_step, msg.QueryStats: self._on_stats}
+        """The command loop's dispatch: one handler per command type (``Shutdown`` ends the loop)."""
 
     # ---- start-up ------------------------------------------------------------
     def build(self) -> None:
@@ -82,7 +90,6 @@ class Worker:
                 where = f"host, read {nb / 2**20:.1f} MB in {dt:.2f}s = {nb / max(dt, 1e-9) / 1e9:.2f} GB/s"
             else:
                 where = "disk (beyond host_budget: read on first load)"
-            store.last_used = 0
             log.info("rank %d built %s (%d/%d): %.1f MB shard %s in %.2fs [%s]", self.rank, mid, k + 1, n,
                      store.nbytes / 2**20, "from checkpoint slices" if source is not None else "from model_fn",
                      time.perf_counter() - t0, where)
@@ -119,9 +126,8 @@ class Worker:
         if budget is None or store.host_resident:
             return
         # a resident store holds its host copy, or is reading it on its load thread right now
-        used = sum(s.host_bytes() if hasattr(s, "host_bytes") and not s.resident else s.nbytes
-                   for s in self.stores.values())
-        victims = sorted((s for s in self.stores.values() if getattr(s, "evictable", False) and s is not store),
+        used = sum(s.nbytes if s.resident else s.host_bytes() for s in self.stores.values())
+        victims = sorted((s for s in self.stores.values() if s.evictable and s is not store),
                          key=lambda s: s.last_used)
         names = {id(s): m for m, s in self.stores.items()}
         for v in victims:
@@ -138,7 +144,7 @@ class Worker:
 
     def host_resident(self) -> tuple:
         """Models whose shard this rank holds in host memory."""
-        return tuple(m for m, s in self.stores.items() if getattr(s, "host_resident", True))
+        return tuple(m for m, s in self.stores.items() if s.host_resident)
 
     def ready_message(self) -> msg.WorkerReady:
         return msg.WorkerReady(rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
@@ -147,7 +153,7 @@ class Worker:
                                device_memory=_device_memory(self.device),
                                host_resident=self.host_resident(),
                                batching={m: r.batching_defaults() for m, r in self.runners.items()
-                                         if hasattr(r, "batching_defaults")})
+                                         if isinstance(r, GenerativeRunner)})
 
     def device_bytes(self) -> int:
         """Weights and KV caches held on this rank's device."""
@@ -156,25 +162,41 @@ class Worker:
         return sum(s.device_bytes() for s in self.stores.values()) + self.kv_bytes()
 
     def kv_bytes(self) -> int:
-        return sum(r.kv_bytes() for r in self.runners.values() if hasattr(r, "kv_bytes"))
+        """KV caches on this rank's device (all models)."""
+        return sum(r.kv_bytes() for r in self.runners.values())
+
+    def host_kv_bytes(self) -> int:
+        """KV caches of paused sequences parked in host memory (all models)."""
+        return sum(r.host_kv_bytes() for r in self.runners.values())
 
     # ---- liveness ------------------------------------------------------------
     def start_heartbeat(self, interval_s: float) -> None:
         """Tell the master we are alive, and what the command loop is doing, from a thread of its own."""
-        def beat():
-            while not self._stop_heartbeat.wait(interval_s):
-                busy = self._busy
-                now = time.perf_counter()
-                try:
-                    self.channel.reply(msg.Heartbeat(rank=self.rank, sent=time.time(),
-                                                     busy_seq=busy[0] if busy else None,
-                                                     busy_s=now - busy[1] if busy else 0.0))
-                except Exception as exc:  # noqa: BLE001 - said out loud: a silent stop looks like a hang
-                    log.warning("rank %d: heartbeats stop: %s: %s (the master is gone, or the control "
-                                "plane broke)", self.rank, type(exc).__name__, exc)
-                    return
-        self._heartbeat = threading.Thread(target=beat, name=f"computron-heartbeat-{self.rank}", daemon=True)
+        self._heartbeat = threading.Thread(target=self._beat, args=(interval_s,),
+                                           name=f"computron-heartbeat-{self.rank}", daemon=True)
         self._heartbeat.start()
+
+    def _beat(self, interval_s: float) -> None:
+        """The heartbeat thread. It stops on the first failure, always out loud: a silent stop would
+        look like a hung worker to the master."""
+        while not self._stop_heartbeat.wait(interval_s):
+            try:
+                beat = self._heartbeat_message()
+            except Exception:  # noqa: BLE001 - a bug: said with its traceback
+                log.exception("rank %d: heartbeats stop: building one failed", self.rank)
+                return
+            try:
+                self.channel.reply(beat)
+            except Exception as exc:  # noqa: BLE001 - said out loud: a silent stop looks like a hang
+                log.warning("rank %d: heartbeats stop: %s: %s (the master is gone, or the control "
+                            "plane broke)", self.rank, type(exc).__name__, exc)
+                return
+
+    def _heartbeat_message(self) -> msg.Heartbeat:
+        busy = self._busy
+        now = time.perf_counter()
+        return msg.Heartbeat(rank=self.rank, sent=time.time(), busy_seq=busy[0] if busy else None,
+                             busy_s=now - busy[1] if busy else 0.0)
 
     # ---- the command loop ----------------------------------------------------
     def serve(self) -> None:
@@ -184,113 +206,128 @@ class Worker:
         while True:
             cmd = self.channel.recv()
             if isinstance(cmd, msg.Shutdown):
-                # a beat sent after our goodbye would wait forever for a master that stopped receiving,
-                # and a thread left inside a send aborts the process at exit: let the last one land first
-                self._stop_heartbeat.set()
-                if self._heartbeat is not None:
-                    self._heartbeat.join(timeout=self.config.heartbeat_timeout_s)
-                for store in self.stores.values():
-                    try:
-                        store.wait_loaded()
-                    except Exception:  # noqa: BLE001 - shutting down anyway
-                        pass
+                self._shut_down()
                 return
             self._busy = (cmd.seq, time.perf_counter())
             try:
                 self._execute(cmd)
             except Exception as exc:  # noqa: BLE001 - reported, the loop goes on
-                detail = f"{type(exc).__name__}: {exc}"
-                fatal = is_fatal_transport_error(exc)
+                failure = self._failure(cmd.seq, getattr(cmd, "model_id", None), exc,  # QueryStats has none
+                                        fatal=is_fatal_transport_error(exc))
                 log.warning("rank %d: %s failed%s: %s\n%s", self.rank, type(cmd).__name__,
-                            " (fatal)" if fatal else "", detail, traceback.format_exc())
-                self.channel.reply(msg.CommandFailed(seq=cmd.seq, rank=self.rank,
-                                                     model_id=getattr(cmd, "model_id", None), error=detail,
-                                                     fatal=fatal))
+                            " (fatal)" if failure.fatal else "", failure.error, traceback.format_exc())
+                self.channel.reply(failure)
             finally:
                 self._busy = None
 
-    def _store(self, model_id: str):
+    def _shut_down(self) -> None:
+        # a beat sent after our goodbye would wait forever for a master that stopped receiving,
+        # and a thread left inside a send aborts the process at exit: let the last one land first
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.config.heartbeat_timeout_s)
+        for store in self.stores.values():
+            try:
+                store.wait_loaded()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+
+    def _execute(self, cmd) -> None:
+        handler = self._handlers.get(type(cmd))
+        if handler is None:
+            raise TypeError(f"unknown command {type(cmd).__name__}")
+        handler(cmd)
+
+    def _failure(self, seq: int, model_id: Optional[str], exc: BaseException,
+                 fatal: bool = False) -> msg.CommandFailed:
+        return msg.CommandFailed(seq=seq, rank=self.rank, model_id=model_id, error=f"{type(exc).__name__}: {exc}",
+                                 fatal=fatal, exc_type=type(exc).__name__,
+                                 upstream=isinstance(exc, p2p.UpstreamFailed))
+
+    def _store(self, model_id: str) -> Store:
         try:
             return self.stores[model_id]
         except KeyError:
             raise KeyError(f"unknown model id {model_id!r}") from None
 
-    def _execute(self, cmd) -> None:
-        if isinstance(cmd, msg.Load):
-            store = self._store(cmd.model_id)
-            self._host_clock += 1
-            store.last_used = self._host_clock
-            if not store.resident and not getattr(store, "host_resident", True):
-                self._make_host_room(store)  # the disk read itself runs on the load thread
+    def _sync_device(self) -> None:
+        """Wait for the queued kernels, so that a reply's end time is the computation's."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
-            def done(start, end, error, seq=cmd.seq, mid=cmd.model_id):
-                if error is not None:
-                    self.channel.reply(msg.CommandFailed(seq=seq, rank=self.rank, model_id=mid,
-                                                         error=f"{type(error).__name__}: {error}"))
-                else:
-                    self.channel.reply(msg.Loaded(seq=seq, rank=self.rank, model_id=mid, start=start, end=end,
-                                                  nbytes=store.nbytes, device_bytes=self.device_bytes(),
-                                                  tier=getattr(store, "last_tier", "host"),
-                                                  read_s=getattr(store, "last_read_s", 0.0),
-                                                  read_bytes=getattr(store, "last_read_bytes", 0),
-                                                  host_resident=self.host_resident()))
-            store.begin_load(done)  # returns at once, except in paper mode where it copies here
-        elif isinstance(cmd, msg.Step):
-            store = self._store(cmd.model_id)
-            runner = self.runners[cmd.model_id]
-            if not hasattr(runner, "step"):
-                raise TypeError(f"model {cmd.model_id!r} does not generate tokens step by step")
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = runner.step(cmd, store.wait_segment)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            is_out = self.rank == self.groups.layout.output_rank
-            self.channel.reply(msg.StepDone(
-                seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0, end=time.perf_counter(),
-                sids=out["sids"] if is_out else (), tokens=out["tokens"] if is_out else (),
-                ended=out["ended"] if is_out else (), running=out["running"], kv_bytes=runner.kv_bytes(),
-                kv_restored_bytes=out["kv_restored_bytes"], kv_restore_s=out["kv_restore_s"]))
-        elif isinstance(cmd, msg.Offload):
-            store = self._store(cmd.model_id)
-            t0 = time.perf_counter()
-            runner = self.runners[cmd.model_id]
-            parked = runner.park_running(cmd.recompute) if hasattr(runner, "park_running") else {}
-            store.offload()
-            self.channel.reply(msg.Offloaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
-                                             end=time.perf_counter(), device_bytes=self.device_bytes(),
-                                             **parked))
-        elif isinstance(cmd, msg.Drop):
-            t0 = time.perf_counter()
-            runner = self.runners[cmd.model_id]
-            if hasattr(runner, "drop_sequences"):
-                runner.drop_sequences(cmd.sids)
-            self.channel.reply(msg.StepDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
-                                            end=time.perf_counter(), kv_bytes=runner.kv_bytes()))
-        elif isinstance(cmd, msg.RunBatch):
-            store = self._store(cmd.model_id)
-            t0 = time.perf_counter()
-            with torch.inference_mode():  # the runner waits for the weights inside its failure handling
-                out = self.runners[cmd.model_id].run(cmd.batch, store.wait_segment)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            is_out = self.rank == self.groups.layout.output_rank
-            self.channel.reply(msg.BatchDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
-                                             end=time.perf_counter(), output=out if is_out else None,
-                                             has_output=is_out))
-        elif isinstance(cmd, msg.QueryStats):
-            self.channel.reply(msg.Stats(
-                seq=cmd.seq, rank=self.rank, device_bytes=self.device_bytes(),
-                device_reserved_bytes=self.pool.reserved_bytes() if self.pool else (
-                    torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0),
-                host_bytes=sum(s.host_bytes() if hasattr(s, "host_bytes") else s.nbytes
-                               for s in self.stores.values()),
-                resident=tuple(m for m, s in self.stores.items() if s.resident),
-                kv_bytes=self.kv_bytes(),
-                host_kv_bytes=sum(r.host_kv_bytes() for r in self.runners.values() if hasattr(r, "host_kv_bytes")),
-                host_resident=self.host_resident()))
-        else:
-            raise TypeError(f"unknown command {type(cmd).__name__}")
+    # ---- one handler per command ---------------------------------------------
+    def _on_load(self, cmd: msg.Load) -> None:
+        store = self._store(cmd.model_id)
+        self._host_clock += 1
+        store.last_used = self._host_clock
+        if not store.resident and not store.host_resident:
+            self._make_host_room(store)  # the disk read itself runs on the load thread
+
+        def done(start: float, end: float, error: Optional[BaseException]) -> None:  # on the load thread
+            if error is not None:
+                self.channel.reply(self._failure(cmd.seq, cmd.model_id, error))
+                return
+            self.channel.reply(msg.Loaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=start,
+                                          end=end, nbytes=store.nbytes, device_bytes=self.device_bytes(),
+                                          tier=store.last_tier, read_s=store.last_read_s,
+                                          read_bytes=store.last_read_bytes, host_resident=self.host_resident()))
+        store.begin_load(done)  # returns at once, except in paper mode where it copies here
+
+    def _on_step(self, cmd: msg.Step) -> None:
+        store = self._store(cmd.model_id)
+        runner = self.runners[cmd.model_id]
+        if not isinstance(runner, GenerativeRunner):
+            raise TypeError(f"model {cmd.model_id!r} does not generate tokens step by step")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = runner.step(cmd, store.wait_segment)
+        self._sync_device()
+        if not runner.ctx.is_output_rank:  # every rank knows the step's outcome; one reports the tokens
+            out = dataclasses.replace(out, sids=(), tokens=(), ended=())
+        self.channel.reply(msg.StepDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
+                                        end=time.perf_counter(), kv_bytes=runner.kv_bytes(), **vars(out)))
+
+    def _on_offload(self, cmd: msg.Offload) -> None:
+        store = self._store(cmd.model_id)
+        t0 = time.perf_counter()
+        runner = self.runners[cmd.model_id]
+        parked = runner.park_running(cmd.recompute) if isinstance(runner, GenerativeRunner) else ParkResult()
+        store.offload()
+        self.channel.reply(msg.Offloaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
+                                         end=time.perf_counter(), device_bytes=self.device_bytes(), **vars(parked)))
+
+    def _on_drop(self, cmd: msg.Drop) -> None:
+        t0 = time.perf_counter()
+        runner = self.runners[cmd.model_id]
+        if isinstance(runner, GenerativeRunner):
+            runner.drop_sequences(cmd.sids)
+        self.channel.reply(msg.Dropped(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
+                                       end=time.perf_counter(), kv_bytes=runner.kv_bytes()))
+
+    def _on_run(self, cmd: msg.RunBatch) -> None:
+        store = self._store(cmd.model_id)
+        runner = self.runners[cmd.model_id]
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # the runner waits for the weights inside its failure handling
+            out = runner.run(cmd.batch, store.wait_segment)
+        self._sync_device()
+        mine = runner.ctx.is_output_rank
+        self.channel.reply(msg.BatchDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
+                                         end=time.perf_counter(), output=out if mine else None, has_output=mine))
+
+    def _on_stats(self, cmd: msg.QueryStats) -> None:
+        self.channel.reply(msg.Stats(
+            seq=cmd.seq, rank=self.rank, device_bytes=self.device_bytes(),
+            device_reserved_bytes=self._reserved_bytes(),
+            host_bytes=sum(s.host_bytes() for s in self.stores.values()),
+            resident=tuple(m for m, s in self.stores.items() if s.resident),
+            kv_bytes=self.kv_bytes(), host_kv_bytes=self.host_kv_bytes(), host_resident=self.host_resident()))
+
+    def _reserved_bytes(self) -> int:
+        """Device memory held for reuse beyond what is allocated."""
+        if self.pool is not None:
+            return self.pool.reserved_bytes()
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
 
 def _device_memory(device: torch.device) -> int:
@@ -314,7 +351,7 @@ def is_fatal_transport_error(exc: BaseException) -> bool:
                         if hasattr(dist, n))
     if isinstance(exc, dist_errors):
         return True
-    if not isinstance(exc, RuntimeError) or type(exc).__name__ == "UpstreamFailed":
+    if not isinstance(exc, RuntimeError) or isinstance(exc, p2p.UpstreamFailed):
         return False
     text = str(exc).lower()
     return any(m in text for m in _FATAL_MARKERS) and any(w in text for w in ("gloo", "pair", "nccl"))

@@ -216,3 +216,54 @@ def test_chaos(checkpoints):
         finally:
             await engine.shutdown()
     asyncio.run(go())
+
+
+class _Replies:
+    """A worker's channel that keeps what it is given, or raises ``fail`` on ``reply``."""
+
+    def __init__(self, fail=None):
+        self.sent, self.fail = [], fail
+
+    def reply(self, m):
+        if self.fail is not None:
+            raise self.fail
+        self.sent.append(m)
+
+
+def _bare_worker(channel):
+    from computron.worker import Worker
+    return Worker(0, None, channel, [], EngineConfig(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("where", ["building", "sending"])
+def test_heartbeat_thread_never_stops_silently(where, caplog, monkeypatch):
+    worker = _bare_worker(_Replies(fail=ConnectionError("gone") if where == "sending" else None))
+    if where == "building":
+        monkeypatch.setattr(worker, "_heartbeat_message", lambda: 1 / 0)
+    with caplog.at_level("WARNING", logger="computron.worker"):
+        worker.start_heartbeat(0.01)
+        worker._heartbeat.join(timeout=10)
+    assert not worker._heartbeat.is_alive()
+    (rec,) = [r for r in caplog.records if "heartbeats stop" in r.getMessage()]
+    if where == "building":  # a bug: its traceback is in the log
+        assert rec.exc_info is not None and rec.exc_info[0] is ZeroDivisionError
+    else:
+        assert "ConnectionError: gone" in rec.getMessage()
+
+
+def test_command_failures_carry_their_type_and_whether_they_are_only_upstream():
+    from computron import messages as msg
+    from computron.p2p import UpstreamFailed
+    from computron.worker import is_fatal_transport_error
+    channel = _Replies()
+    worker = _bare_worker(channel)
+    own = worker._failure(3, "m", ValueError("bad"))
+    upstream = worker._failure(3, "m", UpstreamFailed("pipeline stage of rank 0 failed on this batch"))
+    assert (own.exc_type, own.upstream, own.error) == ("ValueError", False, "ValueError: bad")
+    assert (upstream.exc_type, upstream.upstream) == ("UpstreamFailed", True)
+    assert not is_fatal_transport_error(UpstreamFailed("gloo connection closed"))
+    assert is_fatal_transport_error(RuntimeError("gloo: connection closed by peer"))
+    worker._execute(msg.QueryStats(seq=5))
+    with pytest.raises(TypeError, match="unknown command"):
+        worker._execute(msg.Shutdown())  # the loop ends on it: no handler
+    assert isinstance(channel.sent[0], msg.Stats) and channel.sent[0].seq == 5
