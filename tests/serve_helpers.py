@@ -14,6 +14,8 @@ import psutil
 import yaml
 
 from computron import tokenizer_zoo
+from computron.engine import EngineSnapshot, ModelSnapshot
+from computron.server.engine_client import EngineClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,9 +55,10 @@ def app_in_thread(app):
     assert not t.is_alive(), "the in-thread server did not stop"
 
 
-class StubEngineBase:
-    """The engine's public API, in a given state (``error`` raised by requests, ``dead`` reason), for
-    statuses a live engine cannot be put into on demand; subclasses answer ``submit`` / ``stream``."""
+class StubEngineBase(EngineClient):
+    """The server's view of the engine (``EngineClient``) in a given state (``error`` raised by requests,
+    ``dead`` reason), for statuses a live engine cannot be put into on demand; one model, resident;
+    subclasses answer ``submit`` / ``stream``."""
 
     def __init__(self, model_id: str):
         self.model_id = model_id
@@ -67,13 +70,13 @@ class StubEngineBase:
         return self.dead is None
 
     @property
-    def model_ids(self):
-        return [self.model_id]
+    def dead_reason(self):
+        return self.dead
 
     def snapshot(self):
-        return {"alive": self.dead is None, "dead_reason": self.dead,
-                "models": {self.model_id: {"state": "loaded", "tier": "device", "waiting": 0, "running": 0,
-                                           "last_load": None, "last_offload": None}}}
+        model = ModelSnapshot(state="loaded", tier="device", waiting=0, running=0, paused=0, token_level=True,
+                              pinned=False)
+        return EngineSnapshot(alive=self.dead is None, dead_reason=self.dead, models={self.model_id: model})
 
     def counters(self):
         return {}

@@ -549,8 +549,19 @@ server: {{host: 0.0.0.0, port: 9000, api_keys: [k1, k2], request_timeout_s: 30, 
         ("small", "bfloat16", 2, 5), ("other", None, None, None)]
     assert (cfg.tp, cfg.pp, cfg.engine.max_loaded, cfg.engine.queue_size, cfg.engine.prefetch) == (2, 1, 2, 10, False)
     s = cfg.server
-    assert (s.host, s.port, s.api_keys, s.request_timeout_s, s.shutdown_grace_s) == ("0.0.0.0", 9001, ["k1", "k2"],
+    assert (s.host, s.port, s.api_keys, s.request_timeout_s, s.drain_s) == ("0.0.0.0", 9001, ["k1", "k2"],
                                                                                       30, 5)
     quick = build_config(_parser().parse_args(["serve", ckpts["m0"], f"b={ckpts['m1']}", "--tp", "2",
                                                "--max-loaded", "1"]))
     assert [m.id for m in quick.models] == ["m0", "b"] and quick.tp == 2 and quick.engine.max_loaded == 1
+
+
+def test_drain_s_and_its_old_name_shutdown_grace_s():
+    from computron.server.config import ConfigError, parse_server
+    assert parse_server({"drain_s": 5}).drain_s == 5
+    assert parse_server({"shutdown_grace_s": 7}).drain_s == 7  # the YAML key README examples use
+    assert ServerSettings().drain_s == 30.0
+    with pytest.raises(ConfigError, match="server.shutdown_grace_s=0: must be > 0"):
+        parse_server({"shutdown_grace_s": 0})
+    with pytest.raises(ConfigError, match="give only one"):
+        parse_server({"shutdown_grace_s": 7, "drain_s": 5})

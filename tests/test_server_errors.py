@@ -6,7 +6,9 @@
 - which routes need the API key;
 - non-streamed requests count in the time-to-first-token and time-per-output-token histograms;
 - the batch managers name the field they refuse (max_tokens bounded by the model's positions, images
-  decoded whole at submit time).
+  decoded whole at submit time);
+- one error table behind both shapes, one residency vocabulary, and the engine contract (``EngineClient``)
+  that the engine and the stub both keep.
 """
 import base64
 import io
@@ -23,6 +25,9 @@ from computron.generation import CausalLMBatchManager
 from computron.server import create_app
 from computron.server.config import ServerSettings
 from computron.server.text import ModelText
+from computron.server.engine_client import EngineClient
+from computron.server.errors import ERROR_TABLE, to_openai, to_v2
+from computron.server.residency import Residency
 from computron.server.v2 import payload_message
 from computron.understanding import ImageClassificationBatchManager
 
@@ -210,3 +215,37 @@ def test_an_undecodable_image_fails_at_submit_naming_the_input(tmp_path):
     assert payload_message(e) == "input 'image': the bytes are no image PIL can read (OSError: x)"
     assert payload_message(e, 2, "pixel_values") == "input 'image': row 2: the bytes are no image PIL can read " \
                                                     "(OSError: x)"
+
+
+# ---- the error table, the residency names, the engine contract -------------------------------------------
+
+def test_one_error_table_answers_both_shapes():
+    for cls, kind in ERROR_TABLE:
+        exc = cls("m", ["m"]) if cls.__name__ == "UnknownModelError" else cls("x: went wrong")
+        openai_err, v2_err = to_openai(exc), to_v2(exc)
+        assert (openai_err.status, openai_err.code, openai_err.headers) == (kind.status, kind.code, kind.headers())
+        assert (v2_err.status, v2_err.headers) == (kind.status, kind.headers()), cls
+    assert to_v2(PayloadError("model 'm': malformed request: x: bad", "x", "x: bad")).message == "input 'x': bad"
+    crash = to_v2(ZeroDivisionError("oops"))
+    assert crash.status == 500 and crash.message == "internal error: ZeroDivisionError: oops"
+
+
+def test_residency_names_one_state_for_every_view():
+    from computron.engine import ModelSnapshot
+
+    def snap(state, tier):
+        return ModelSnapshot(state=state, tier=tier, waiting=0, running=0, paused=0, token_level=True, pinned=False)
+    seen = {(s, t): Residency.of(snap(s, t)) for s, t in [("loaded", "device"), ("loading", "host"),
+                                                           ("offloading", "device"), ("offloaded", "host"),
+                                                           ("offloaded", "disk")]}
+    assert [r.value for r in seen.values()] == ["resident", "loading", "offloading", "host", "disk"]
+    assert [r.openai_state for r in seen.values()] == ["resident", "loading", "offloaded", "offloaded", "offloaded"]
+    assert Residency.of(None) is Residency.HOST
+
+
+def test_the_engine_and_the_stub_keep_the_engine_client_contract():
+    from computron.engine import Engine
+    members = [n for n in vars(EngineClient) if not n.startswith("_")]
+    assert {"submit", "stream", "snapshot", "is_alive", "dead_reason", "shutdown"} <= set(members)
+    assert [n for n in members if not hasattr(Engine, n)] == []
+    assert isinstance(StubEngine(), EngineClient)

@@ -1,11 +1,13 @@
-"""`computron serve`: an OpenAI-compatible HTTP server in front of the engine (text in, text out).
+"""`computron serve`: an HTTP server in front of the engine, speaking OpenAI's protocol and KServe v2.
 
-The names below are imported on first use, so ``computron --help`` (``computron.server.cli``) does not
-pay for FastAPI, torch or transformers.
+``app.py``'s docstring maps the package (routers, state, errors, protocols). The names below are
+imported on first use, so ``computron --help`` (``computron.server.cli``) does not pay for FastAPI,
+torch or transformers.
 """
 from .. import _lazy_exports
 
 _EXPORTS = {".app": ("create_app",), ".config": ("ConfigError", "ServeConfig"),
+            ".engine_client": ("EngineClient",), ".model_kind": ("ModelKind",),
             ".text": ("ModelText", "IncrementalDetokenizer", "TextStream")}
 
 __all__ = [name for names in _EXPORTS.values() for name in names]

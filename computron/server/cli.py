@@ -12,7 +12,7 @@ Everything is checked before any worker starts: every field and path, the HTTP
 port (bound then, and held), and each model's shape against --tp and --pp. A
 mistake ends the command with one line naming it. SIGTERM or SIGINT stops
 accepting connections, lets in-flight requests finish within
-``shutdown_grace_s``, then stops the workers.
+``drain_s``, then stops the workers.
 
 torch, transformers and FastAPI are imported inside the functions that need
 them, so ``computron --help`` answers at once.
@@ -28,6 +28,7 @@ from typing import List, Optional
 
 from ..preflight import PreflightError, check, reserve_port
 from .config import (DTYPES, ConfigError, ServeConfig, from_mapping, load_file, model_entries_from_paths)
+from .model_kind import ModelKind
 
 log = logging.getLogger("computron.server")
 
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="port to listen on (default 8000)")
     s.add_argument("--api-key", action="append", dest="api_keys", help="accepted bearer token (repeatable)")
     s.add_argument("--request-timeout", type=float, dest="request_timeout_s", help="seconds before 504")
-    s.add_argument("--shutdown-grace", type=float, dest="shutdown_grace_s",
+    s.add_argument("--drain", "--shutdown-grace", type=float, dest="drain_s",
                    help="seconds in-flight requests get on SIGTERM (default 30)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -88,7 +89,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             if getattr(args, flag) is not None:
                 engine[key] = getattr(args, flag)
     if isinstance(server, dict):
-        for key in ("host", "port", "api_keys", "request_timeout_s", "shutdown_grace_s", "log_level"):
+        for key in ("host", "port", "api_keys", "request_timeout_s", "drain_s", "log_level"):
             if getattr(args, key) is not None:
                 server[key] = getattr(args, key)
     return from_mapping(raw)
@@ -106,7 +107,7 @@ def load_texts(cfg: ServeConfig):
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(f"models[{i}].path: {m.path!r}: cannot read config.json: {exc}") from None
         hf_configs[m.id] = hf
-        if m.kind not in (None, "causal_lm"):
+        if m.kind not in (None, ModelKind.GENERATION):
             encoders[m.id] = _understanding_model(cfg, i, m, hf)
             continue
         try:
@@ -138,8 +139,8 @@ def _understanding_model(cfg: ServeConfig, i: int, m, hf):
 
 
 def model_configs(cfg: ServeConfig, hf_configs, encoders=None):
-    from .. import zoo, zoo_understanding
     from ..config import ModelConfig
+    from ..loading import load_causal_lm, load_encoder
     from ..generation import CausalLMBatchManager
     encoders = encoders or {}
     out = []
@@ -148,13 +149,13 @@ def model_configs(cfg: ServeConfig, hf_configs, encoders=None):
         if m.dtype is not None:
             kwargs["dtype"] = m.dtype
         if m.id in encoders:
-            out.append(ModelConfig(m.id, zoo_understanding.load_encoder, kwargs,
-                                   batch_manager=encoders[m.id].batch_manager))
+            out.append(ModelConfig(m.id, load_encoder, kwargs, batch_manager=encoders[m.id].batch_manager,
+                                   checkpoint=m.path))
             continue
         bm = None
         if m.max_batch_size is not None:
             bm = CausalLMBatchManager.for_config(hf_configs[m.id], max_batch_size=m.max_batch_size)
-        out.append(ModelConfig(m.id, zoo.load_causal_lm, kwargs, batch_manager=bm))
+        out.append(ModelConfig(m.id, load_causal_lm, kwargs, batch_manager=bm, checkpoint=m.path))
     return out
 
 
@@ -176,7 +177,7 @@ def _uvicorn_server(app, cfg: ServeConfig, on_signal):
                              "status page at /)", ", ".join(m.id for m in cfg.models), host, port)
     s = cfg.server
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, access_log=False,
-                            timeout_graceful_shutdown=s.shutdown_grace_s, lifespan="on", loop="asyncio",
+                            timeout_graceful_shutdown=s.drain_s, lifespan="on", loop="asyncio",
                             http="h11", ws="none")
     return Server(config)
 
@@ -211,7 +212,7 @@ async def serve(cfg: ServeConfig, sock, configs, texts, max_positions, encoders=
     def on_signal(sig):
         if not state.draining:
             log.info("%s: draining (no new connections; in-flight requests get %.0fs), then stopping",
-                     signal.Signals(sig).name, s.shutdown_grace_s)
+                     signal.Signals(sig).name, s.drain_s)
         state.draining = True
     server = _uvicorn_server(app, cfg, on_signal)
     try:

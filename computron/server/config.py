@@ -21,7 +21,8 @@ A config file::
       port: 8000
       api_keys: [sk-local-1]     # optional; then /v1/* and /v2/models/* need `Authorization: Bearer <key>`
       request_timeout_s: 600     # a request over this answers 504
-      shutdown_grace_s: 30       # SIGTERM/SIGINT: how long in-flight requests may take to finish
+      drain_s: 30                # SIGTERM/SIGINT: how long in-flight requests may take to finish
+                                 # (old name, still read: shutdown_grace_s)
 
 Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path.
 """
@@ -34,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..config import EngineConfig
-
-DTYPES = ("float32", "float16", "bfloat16")
+from ..loading import DTYPES, has_tokenizer  # DTYPES: also cli.py's --dtype choices
+from .model_kind import ModelKind
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
 
@@ -58,9 +59,8 @@ class ModelEntry:
     task: Optional[str] = None
     """Encoders and ViT only: 'embedding' or 'classification'; None picks classification when the checkpoint
     has a classification head, else embedding."""
-    kind: Optional[str] = None
-    """Set by validation: 'causal_lm', or the understanding kind ('sequence-classification',
-    'token-classification', 'embedding', 'image-classification')."""
+    kind: Optional[ModelKind] = None
+    """Set by validation: GENERATION for a causal LM, else the kind of encoder or ViT model."""
 
 
 @dataclass
@@ -74,8 +74,10 @@ class ServerSettings:
     /v2/health/*); empty means no authentication."""
     request_timeout_s: float = 600.0
     """A request still unanswered after this long fails with 504."""
-    shutdown_grace_s: float = 30.0
-    """On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled."""
+    drain_s: float = 30.0
+    """On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled (the HTTP drain;
+    ``EngineConfig.shutdown_grace_s`` is the workers' own). The YAML key ``shutdown_grace_s`` is read as
+    its old name."""
     default_max_tokens: int = 256
     """max_tokens of a chat completion that names none (capped by the model's positions)."""
     log_level: str = "info"
@@ -126,8 +128,8 @@ def checkpoint_info(path: str) -> Dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def understanding_kind(name: str, path: str, task: Optional[str]) -> str:
-    """'causal_lm' for a checkpoint outside the encoder families, else the kind its batch manager serves."""
+def understanding_kind(name: str, path: str, task: Optional[str]) -> ModelKind:
+    """GENERATION for a checkpoint outside the encoder families, else the kind its batch manager serves."""
     info = checkpoint_info(path)
     model_type = info.get("model_type")
     archs = [a for a in (info.get("architectures") or []) if isinstance(a, str)]
@@ -135,7 +137,7 @@ def understanding_kind(name: str, path: str, task: Optional[str]) -> str:
         if task is not None:
             raise ConfigError(f"{name.rsplit('.', 1)[0]}.task={task!r}: only encoder and ViT checkpoints "
                               f"(bert, roberta, xlm-roberta, vit) take a task; {path!r} is {model_type!r}")
-        return "causal_lm"
+        return ModelKind.GENERATION
     where = f"{name.rsplit('.', 1)[0]}.task"
     if task is not None and task not in TASKS:
         raise ConfigError(f"{where}={task!r}: must be one of {list(TASKS)}")
@@ -145,27 +147,26 @@ def understanding_kind(name: str, path: str, task: Optional[str]) -> str:
                               f"(architectures={archs!r}); only ViT classifiers are served")
         if task == "embedding":
             raise ConfigError(f"{where}='embedding': ViT checkpoints serve image classification only")
-        return "image-classification"
-    head = ("token-classification" if any(a.endswith("ForTokenClassification") for a in archs) else
-            "sequence-classification" if any(a.endswith("ForSequenceClassification") for a in archs) else None)
+        return ModelKind.IMAGE_CLS
+    head = (ModelKind.TOKEN_CLS if any(a.endswith("ForTokenClassification") for a in archs) else
+            ModelKind.SEQUENCE_CLS if any(a.endswith("ForSequenceClassification") for a in archs) else None)
     if task == "classification" and head is None:
         raise ConfigError(f"{where}='classification': {path!r} has no sequence or token classification head "
                           f"(architectures={archs!r})")
     if task == "embedding" or head is None:
-        return "embedding"
+        return ModelKind.EMBEDDING
     return head
 
 
 def check_checkpoint(name: str, path: Any) -> str:
     """A checkpoint directory with a config.json and tokenizer files, or a ConfigError naming it. Encoder
     and ViT checkpoints need no tokenizer (then they take input_ids or pixel values)."""
-    from .text import tokenizer_files_present
     _check_type(name, path, str)
     if not os.path.isdir(path):
         raise ConfigError(f"{name}: checkpoint directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{name}: {path!r} has no config.json (not a transformers checkpoint)")
-    if checkpoint_info(path).get("model_type") not in encoder_model_types() and not tokenizer_files_present(path):
+    if checkpoint_info(path).get("model_type") not in encoder_model_types() and not has_tokenizer(path):
         raise ConfigError(f"{name}: {path!r} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
     return path
 
@@ -229,14 +230,23 @@ def parse_engine(raw: Any) -> tuple:
     return engine, tp, pp
 
 
+_OLD_DRAIN = "shutdown_grace_s"
+"""The YAML key ``drain_s`` had before it was told apart from ``EngineConfig.shutdown_grace_s``."""
+
+
 def parse_server(raw: Any) -> ServerSettings:
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError("server: must be a mapping")
     known = {f.name for f in dataclasses.fields(ServerSettings)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - known - {_OLD_DRAIN})
     if unknown:
         raise ConfigError(f"server.{unknown[0]}: unknown field (known: {sorted(known)})")
+    drain_key = _OLD_DRAIN if _OLD_DRAIN in raw else "drain_s"  # the name the messages use
+    if drain_key == _OLD_DRAIN:
+        if "drain_s" in raw:
+            raise ConfigError(f"server.{_OLD_DRAIN}: the old name of server.drain_s; give only one of them")
+        raw = {("drain_s" if k == _OLD_DRAIN else k): v for k, v in raw.items()}
     s = ServerSettings(**raw)
     _check_type("server.host", s.host, str)
     _check_type("server.port", s.port, int)
@@ -246,11 +256,10 @@ def parse_server(raw: Any) -> ServerSettings:
         s.api_keys = [s.api_keys]
     if not isinstance(s.api_keys, list) or not all(isinstance(k, str) and k for k in s.api_keys):
         raise ConfigError("server.api_keys: must be a list of non-empty strings")
-    for k in ("request_timeout_s", "shutdown_grace_s"):
-        v = getattr(s, k)
-        _check_type(f"server.{k}", v, float)
+    for key, v in (("request_timeout_s", s.request_timeout_s), (drain_key, s.drain_s)):
+        _check_type(f"server.{key}", v, float)
         if v <= 0:
-            raise ConfigError(f"server.{k}={v!r}: must be > 0 seconds")
+            raise ConfigError(f"server.{key}={v!r}: must be > 0 seconds")
     _check_type("server.default_max_tokens", s.default_max_tokens, int)
     if s.default_max_tokens < 1:
         raise ConfigError(f"server.default_max_tokens={s.default_max_tokens}: must be >= 1")

@@ -1,33 +1,28 @@
-"""HTTP errors in the shapes clients expect.
+"""HTTP errors in the shapes clients expect, from one table.
 
-Everything but ``/v2`` answers in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``;
-``/v2`` (the Open Inference Protocol) answers ``{"error": "message"}``. ``api_error`` maps engine and text
-errors to OpenAI's statuses (a ``PayloadError`` keeps the field it names as ``param``, without the engine's
-``model 'x': malformed request:`` prefix); ``install_handlers`` gives FastAPI's own answers (404 unknown
-route, 405 wrong method, 422 invalid parameters, answered 400, and 500 uncaught) the same shapes.
+OpenAI's routes answer ``{"error": {"message", "type", "param", "code"}}`` (``APIError``); the Open
+Inference Protocol under ``/v2`` answers ``{"error": "message"}`` (``V2Error``). ``ERROR_TABLE`` maps
+each engine error (``computron.errors``) and the chat-template error to its status, OpenAI type and
+code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read it, and either
+shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's answer
+has it as ``param`` (in the client's name of it: ``prompt`` for the engine's ``input_ids``) and its
+reason without the engine's ``model 'x': malformed request:`` prefix; v2's answer says ``input 'x':
+reason`` (``payload_message``). Anything else is a bug: logged, and answered 500 ``internal_error``.
+
+Pure Python: ``app.py`` installs the handlers that answer FastAPI's own errors (404, 405, 422) and
+whatever a route raises in these shapes.
 """
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any, Dict, Optional
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 from ..errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
                       WorkerError)
 from .text import ChatTemplateError
 
 log = logging.getLogger("computron.server")
-
-dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-def json_response(body: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
-    return Response(dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
 class APIError(Exception):
@@ -42,8 +37,16 @@ class APIError(Exception):
     def body(self) -> Dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> Response:
-        return json_response(self.body(), self.status, self.headers)
+
+class V2Error(Exception):
+    """An error answered in the v2 shape: ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": self.message}
 
 
 def bad(param: Optional[str], message: str) -> APIError:
@@ -51,73 +54,78 @@ def bad(param: Optional[str], message: str) -> APIError:
     return APIError(400, message, "invalid_request_error", param, "invalid_value")
 
 
-def api_error(exc: BaseException, params: Optional[Dict[str, str]] = None) -> APIError:
-    """The HTTP answer for an engine or text error. ``params`` maps engine request fields to the names the
-    client used (``input_ids`` -> ``prompt``), for a ``PayloadError``'s ``param``."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, UnknownModelError):
-        return APIError(404, str(exc), "invalid_request_error", "model", "model_not_found")
-    if isinstance(exc, ChatTemplateError):
-        return APIError(400, str(exc), "invalid_request_error", "messages", "chat_template_missing")
-    if isinstance(exc, PayloadError):
-        return APIError(400, exc.reason, "invalid_request_error", (params or {}).get(exc.param, exc.param),
-                        "invalid_payload")
-    if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": "1"})
-    if isinstance(exc, RequestTimeoutError):
-        return APIError(504, str(exc), "timeout_error", None, "request_timeout")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
-    if isinstance(exc, WorkerError):
-        return APIError(500, str(exc), "server_error", None, "worker_error")
+@dataclass(frozen=True)
+class ErrorKind:
+    """How one kind of error answers: its status and OpenAI ``type`` and ``code``."""
+    status: int
+    type: str
+    code: str
+    param: Optional[str] = None
+    """The request field at fault, when it is always the same one."""
+    retry_after: bool = False
+    """Answer ``Retry-After: 1`` (the client may try again at once)."""
+
+    def headers(self) -> Dict[str, str]:
+        return {"Retry-After": "1"} if self.retry_after else {}
+
+
+ERROR_TABLE: Tuple[Tuple[type, ErrorKind], ...] = (
+    (UnknownModelError, ErrorKind(404, "invalid_request_error", "model_not_found", param="model")),
+    (ChatTemplateError, ErrorKind(400, "invalid_request_error", "chat_template_missing", param="messages")),
+    (PayloadError, ErrorKind(400, "invalid_request_error", "invalid_payload")),
+    (QueueFullError, ErrorKind(429, "rate_limit_error", "queue_full", retry_after=True)),
+    (RequestTimeoutError, ErrorKind(504, "timeout_error", "request_timeout")),
+    (EngineDeadError, ErrorKind(503, "service_unavailable", "engine_dead")),
+    (WorkerError, ErrorKind(500, "server_error", "worker_error")),
+)
+"""Engine and text errors, first match wins."""
+
+
+def error_kind(exc: BaseException) -> Optional[ErrorKind]:
+    """``exc``'s row of ``ERROR_TABLE``; None for an unexpected error."""
+    return next((kind for cls, kind in ERROR_TABLE if isinstance(exc, cls)), None)
+
+
+def _internal(exc: BaseException) -> APIError:
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
 
 
-def is_v2(request: Request) -> bool:
-    path = request.url.path
-    return path == "/v2" or path.startswith("/v2/")
+def to_openai(exc: BaseException, params: Optional[Dict[str, str]] = None) -> APIError:
+    """OpenAI's answer to ``exc``. ``params`` maps engine request fields to the names the client used
+    (``input_ids`` -> ``prompt``), for a ``PayloadError``'s ``param``."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, V2Error):
+        return APIError(exc.status, exc.message, headers=exc.headers)
+    kind = error_kind(exc)
+    if kind is None:
+        return _internal(exc)
+    if isinstance(exc, PayloadError):
+        reason = exc.reason if exc.row is None else f"input[{exc.row}]: {exc.reason}"
+        return APIError(kind.status, reason, kind.type, (params or {}).get(exc.param, exc.param), kind.code)
+    return APIError(kind.status, str(exc), kind.type, kind.param, kind.code, kind.headers())
 
 
-def error_response(request: Request, err: APIError) -> Response:
-    """``err`` in the shape of the route asked for: v2's under /v2, OpenAI's elsewhere."""
-    if is_v2(request):
-        return json_response({"error": err.message}, err.status, err.headers)
-    return err.response()
+def to_v2(exc: BaseException) -> V2Error:
+    """The v2 answer to ``exc``."""
+    if isinstance(exc, V2Error):
+        return exc
+    kind = error_kind(exc)
+    if kind is None:
+        err = exc if isinstance(exc, APIError) else _internal(exc)
+        return V2Error(err.status, err.message, err.headers)
+    message = payload_message(exc, exc.row) if isinstance(exc, PayloadError) else str(exc)
+    return V2Error(kind.status, message, kind.headers())
 
 
-def _http_error(request: Request, exc: StarletteHTTPException) -> APIError:
-    where = f"{request.method} {request.url.path}"
-    if exc.status_code == 404:
-        return APIError(404, f"Invalid URL ({where}): no such route", "invalid_request_error", None, "not_found")
-    if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
-        return APIError(405, f"Method not allowed ({where}); allowed: {allowed}", "invalid_request_error", None,
-                        "method_not_allowed", exc.headers)
-    return APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, None, exc.headers)
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    first = (exc.errors() or [{}])[0]
-    loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path", "header")]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
-    return bad(param, f"{param}: {msg}" if param else msg)
-
-
-def install_handlers(app: FastAPI) -> None:
-    """Answer FastAPI's own errors (unknown route, wrong method, invalid parameters, uncaught) in the shape
-    of the route asked for."""
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_exception(request: Request, exc: StarletteHTTPException):
-        return error_response(request, _http_error(request, exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_exception(request: Request, exc: RequestValidationError):
-        return error_response(request, _validation_error(exc))
-
-    @app.exception_handler(Exception)
-    async def internal_exception(request: Request, exc: Exception):
-        return error_response(request, api_error(exc))
+def payload_message(exc: BaseException, row: Optional[int] = None, name: Optional[str] = None) -> str:
+    """A batch manager's objection as v2 words it: ``input 'image': row 0: ...`` naming the input the
+    error's ``param`` names (else ``name``), without the engine's ``model 'x': malformed request:`` prefix."""
+    name = getattr(exc, "param", None) or name
+    reason = getattr(exc, "reason", None) or str(exc)
+    if name is None:
+        return reason if row is None else f"row {row}: {reason}"
+    if reason.startswith(f"{name}: "):
+        reason = reason[len(name) + 2:]
+    return f"input {name!r}: " + ("" if row is None else f"row {row}: ") + reason

@@ -9,7 +9,6 @@ top and is used for streamed and non-streamed answers alike.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Sequence
 
 _REPLACEMENT = "\ufffd"
@@ -62,11 +61,6 @@ def load_tokenizer(path: str):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def tokenizer_files_present(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f))
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
 
 
 class IncrementalDetokenizer:

@@ -1,8 +1,8 @@
-"""Encoders, classifiers and ViT over HTTP: the Open Inference Protocol (KServe v2 REST) and /v1/embeddings.
+"""The Open Inference Protocol (KServe v2 REST) for encoders, classifiers and ViT: parsing and encoding.
 
-This module only parses and encodes; the routes in ``app.py`` submit what it
-builds to the engine (one engine request per row of a v2 batch; the model's
-batch manager batches them again).
+This module only parses and encodes; ``v2/routes.py`` submits what it builds to the
+engine (one engine request per row of a v2 batch; the model's batch manager batches
+them again).
 
     GET  /v2/models/{name}         metadata: inputs and outputs with name, datatype, shape
     GET  /v2/models/{name}/ready   200 while the engine serves it, 503 when dead or draining, 404 unknown
@@ -26,83 +26,40 @@ Request ``parameters``: ``top_k`` (classifiers: labels per row, best first) and 
   INT64 ``[n]``;
 - embeddings: ``embedding`` FP32 ``[n, dim]``.
 
-Errors answer ``{"error": "..."}``: 400 a bad tensor (``input 'image': row 0: ...``, naming the input),
-404 an unknown model or route, 405 a wrong method, 429 queue full, 503 engine dead, 504 timeout.
+Errors answer ``{"error": "..."}`` (``errors.V2Error``): 400 a bad tensor (``input 'image': row 0: ...``,
+naming the input), 404 an unknown model or route, 405 a wrong method, 429 queue full, 503 engine dead,
+504 timeout.
 """
 from __future__ import annotations
 
-import base64
 import math
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
-                      WorkerError)
+from ..errors import V2Error, payload_message
+from ..model_kind import ModelKind
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
              "FP64", "BYTES")
 INT_TYPES = ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")
 FLOAT_TYPES = ("FP16", "FP32", "FP64")
 
-# kinds of understanding models
-SEQUENCE, TOKEN, EMBEDDING, IMAGE = "sequence-classification", "token-classification", "embedding", \
-    "image-classification"
-
-
-class V2Error(Exception):
-    """An error answered in the v2 shape: ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
-
-
-def v2_error(exc: BaseException) -> Optional[V2Error]:
-    """The v2 answer of an engine error; None for an unexpected one (the caller logs it)."""
-    if isinstance(exc, V2Error):
-        return exc
-    if isinstance(exc, UnknownModelError):
-        return V2Error(404, str(exc))
-    if isinstance(exc, PayloadError):
-        return V2Error(400, payload_message(exc))
-    if isinstance(exc, QueueFullError):
-        return V2Error(429, str(exc), {"Retry-After": "1"})
-    if isinstance(exc, RequestTimeoutError):
-        return V2Error(504, str(exc))
-    if isinstance(exc, EngineDeadError):
-        return V2Error(503, str(exc))
-    if isinstance(exc, WorkerError):
-        return V2Error(500, str(exc))
-    return None
-
-
-def payload_message(exc: BaseException, row: Optional[int] = None, name: Optional[str] = None) -> str:
-    """A batch manager's objection as v2 words it: ``input 'image': row 0: ...`` naming the input the
-    error's ``param`` names (else ``name``), without the engine's ``model 'x': malformed request:`` prefix."""
-    name = getattr(exc, "param", None) or name
-    reason = getattr(exc, "reason", None) or str(exc)
-    if name is None:
-        return reason if row is None else f"row {row}: {reason}"
-    if reason.startswith(f"{name}: "):
-        reason = reason[len(name) + 2:]
-    return f"input {name!r}: " + ("" if row is None else f"row {row}: ") + reason
-
-
 @dataclass
 class UnderstandingModel:
     """An encoder or ViT model the server serves, with the batch manager its engine requests go through."""
     id: str
     path: str
-    kind: str
-    """sequence-classification, token-classification, embedding or image-classification."""
+    kind: ModelKind
+    """SEQUENCE_CLS, TOKEN_CLS, EMBEDDING or IMAGE_CLS."""
     batch_manager: Any
     hidden_size: Optional[int] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.kind = ModelKind(self.kind)
 
     @property
     def is_text(self) -> bool:
-        return self.kind != IMAGE
+        return self.kind is not ModelKind.IMAGE_CLS
 
     @property
     def tokenizer(self):
@@ -130,9 +87,9 @@ class UnderstandingModel:
 
     def output_specs(self) -> List[Dict[str, Any]]:
         n = len(self.labels)
-        if self.kind == EMBEDDING:
+        if self.kind is ModelKind.EMBEDDING:
             return [{"name": "embedding", "datatype": "FP32", "shape": [-1, self.hidden_size or -1]}]
-        if self.kind == TOKEN:
+        if self.kind is ModelKind.TOKEN_CLS:
             return [{"name": "label", "datatype": "BYTES", "shape": [-1, -1]},
                     {"name": "score", "datatype": "FP32", "shape": [-1, -1]},
                     {"name": "logits", "datatype": "FP32", "shape": [-1, -1, n]},
@@ -239,11 +196,11 @@ def parse_parameters(model: UnderstandingModel, raw: Any) -> Dict[str, Any]:
         raise V2Error(400, "parameters: must be an object")
     out = {}
     for k, v in raw.items():
-        if k == "top_k" and model.kind in (SEQUENCE, IMAGE):
+        if k == "top_k" and model.kind in (ModelKind.SEQUENCE_CLS, ModelKind.IMAGE_CLS):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise V2Error(400, f"parameters.top_k={v!r}: must be an integer >= 1")
             out["top_k"] = min(v, len(model.labels))
-        elif k == "normalize" and model.kind == EMBEDDING:
+        elif k == "normalize" and model.kind is ModelKind.EMBEDDING:
             if not isinstance(v, bool):
                 raise V2Error(400, f"parameters.normalize={v!r}: must be true or false")
             out["normalize"] = v
@@ -387,16 +344,6 @@ def _image_rows(model: UnderstandingModel, t: Dict[str, Tensor]) -> List[Dict[st
     return out
 
 
-def check_rows(model: UnderstandingModel, rows: List[Dict[str, Any]], names: Sequence[str]) -> None:
-    """The batch manager's own checks of every row before any is submitted: one bad row fails the request
-    with 400 naming the input, and nothing runs."""
-    for i, r in enumerate(rows):
-        try:
-            model.batch_manager.validate(r)
-        except Exception as exc:  # noqa: BLE001 - whatever the batch manager objects to
-            raise V2Error(400, payload_message(exc, i, next((k for k in names if k in r), "inputs"))) from None
-
-
 # ---- infer answers -------------------------------------------------------------------
 
 def _out(name: str, datatype: str, shape: List[int], data: list) -> Dict[str, Any]:
@@ -407,10 +354,10 @@ def encode_outputs(model: UnderstandingModel, answers: List[Dict[str, Any]], wan
                    rid: Optional[str]) -> Dict[str, Any]:
     n = len(answers)
     outs: Dict[str, Dict[str, Any]] = {}
-    if model.kind == EMBEDDING:
+    if model.kind is ModelKind.EMBEDDING:
         dim = len(answers[0]["embedding"]) if answers else 0
         outs["embedding"] = _out("embedding", "FP32", [n, dim], [x for a in answers for x in a["embedding"]])
-    elif model.kind == TOKEN:
+    elif model.kind is ModelKind.TOKEN_CLS:
         width = max(len(a["labels"]) for a in answers)
         c = len(model.labels)
         labels, scores, logits = [], [], []
@@ -432,66 +379,3 @@ def encode_outputs(model: UnderstandingModel, answers: List[Dict[str, Any]], wan
     if rid is not None:
         body["id"] = rid
     return body
-
-
-# ---- /v1/embeddings -------------------------------------------------------------------
-
-_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
-
-
-def parse_embeddings(model: UnderstandingModel, body: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[int],
-                                                                                   str]:
-    """OpenAI's embeddings request as (engine requests, prompt tokens of each, encoding format); raises
-    ``ValueError(param, message)`` for a bad field."""
-    for k in body:
-        if k not in _EMBEDDING_FIELDS:
-            raise ValueError(k, f"unsupported field {k!r}")
-    dims = body.get("dimensions")
-    if dims is not None and dims != model.hidden_size:
-        raise ValueError("dimensions", f"dimensions={dims!r}: model {model.id!r} answers {model.hidden_size} "
-                                       "dimensions only")
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise ValueError("encoding_format", f"encoding_format={fmt!r}: must be 'float' or 'base64'")
-    inp = body.get("input")
-
-    def is_ids(x):
-        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-    if isinstance(inp, str):
-        items = [inp]
-    elif is_ids(inp):
-        items = [inp]
-    elif isinstance(inp, list) and inp and all(isinstance(x, str) or is_ids(x) for x in inp):
-        items = inp
-    else:
-        raise ValueError("input", "input: must be a non-empty string, a list of strings, a list of token ids "
-                                  "or a list of lists of token ids")
-    rows, counts = [], []
-    tok = model.tokenizer
-    for i, x in enumerate(items):
-        if isinstance(x, str):
-            if not x:
-                raise ValueError("input", f"input[{i}]: an empty string")
-            if tok is None:
-                raise ValueError("input", f"model {model.id!r} has no tokenizer: send token ids")
-            rows.append({"text": x})
-            counts.append(len(tok(x, truncation=True, max_length=model.batch_manager.max_length)["input_ids"]))
-        else:
-            rows.append({"input_ids": list(x)})
-            counts.append(len(x))
-    for i, r in enumerate(rows):
-        try:
-            model.batch_manager.validate(r)
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError("input", f"input[{i}]: {exc}") from None
-    return rows, counts, fmt
-
-
-def embedding_data(vectors: List[List[float]], fmt: str) -> List[Dict[str, Any]]:
-    out = []
-    for i, v in enumerate(vectors):
-        emb: Any = v
-        if fmt == "base64":  # little-endian float32, as OpenAI sends them
-            emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
-        out.append({"object": "embedding", "index": i, "embedding": emb})
-    return out

@@ -1,0 +1,201 @@
+"""The server's state: the served-model registry, the checks before the engine, the API key, accounting.
+
+``create_app`` builds one ``ServerState`` and keeps it on ``app.state.computron``; routes reach it
+through the ``served_state`` dependency. It holds:
+
+- ``models``: one ``ServedModel`` per id, in the order models were given (causal LMs, then encoders),
+  with its ``ModelKind``, checkpoint path, queue bound, and the tokenizer of a text generator
+  (``text``) or the ``UnderstandingModel`` of an encoder or ViT model (``understanding``);
+- the engine (an ``EngineClient``), the settings, the Prometheus metrics, and ``draining`` (set on
+  SIGTERM/SIGINT and at shutdown);
+- the checks every inference request passes before it reaches the engine: ``check_serving`` (not
+  draining, engine alive) and ``admit`` (those, then the model's queue).
+
+``api_key(endpoint)`` is the FastAPI dependency of the routes that need a key; ``Call`` counts one
+inference request in ``computron_requests`` and logs it at debug level, once, however it ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..errors import EngineDeadError, PayloadError, QueueFullError, UnknownModelError
+from .config import ServerSettings
+from .engine_client import EngineClient
+from .errors import APIError, V2Error
+from .http import error_response, unless_disconnected
+from .metrics import ServerMetrics
+from .model_kind import ModelKind
+from .text import ModelText
+from .v2.protocol import UnderstandingModel
+
+log = logging.getLogger("computron.server")
+
+UNKNOWN = "_unknown"
+"""The model label of a request whose model is not (yet) known to be served."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model the server serves."""
+    id: str
+    path: str
+    kind: ModelKind
+    text: Optional[ModelText] = None
+    """A text generator's tokenizer."""
+    understanding: Optional[UnderstandingModel] = None
+    """An encoder or ViT model's batch manager and v2 metadata."""
+    queue_size: Optional[int] = None
+    """Waiting requests before 429 (the config's per-model ``queue_size``); None: the engine's bound only."""
+    max_positions: Optional[int] = None
+    """A text generator's positions: the default ``max_tokens`` fits in them."""
+
+
+def served_models(texts: Dict[str, ModelText], encoders: Optional[Dict[str, UnderstandingModel]] = None,
+                  queue_sizes: Optional[Dict[str, int]] = None,
+                  max_positions: Optional[Dict[str, int]] = None) -> Dict[str, ServedModel]:
+    """The registry of ``create_app``'s arguments: text generators first, then encoders."""
+    queue_sizes, max_positions = queue_sizes or {}, max_positions or {}
+    models = {m: ServedModel(m, t.path, ModelKind.GENERATION, text=t, queue_size=queue_sizes.get(m) or None,
+                             max_positions=max_positions.get(m)) for m, t in texts.items()}
+    for m, e in (encoders or {}).items():
+        models[m] = ServedModel(m, e.path, e.kind, understanding=e, queue_size=queue_sizes.get(m) or None)
+    return models
+
+
+class ServerState:
+    def __init__(self, engine: EngineClient, models: Dict[str, ServedModel], settings: ServerSettings):
+        self.engine = engine
+        self.models = models
+        self.settings = settings
+        self.metrics = ServerMetrics(engine)
+        self.draining = False
+        self.started = time.time()
+        self._keys = [k.encode() for k in settings.api_keys]
+
+    def kind_of(self, model_id: Any) -> Optional[ModelKind]:
+        """The kind of a served model; None for anything else (an unknown id, a non-string)."""
+        m = self.models.get(model_id) if isinstance(model_id, str) else None
+        return m.kind if m else None
+
+    def model(self, model_id: str) -> ServedModel:
+        """A served model, or 404 (``UnknownModelError``)."""
+        m = self.models.get(model_id)
+        if m is None:
+            raise UnknownModelError(model_id, self.models)
+        return m
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def check_key(self, authorization: str) -> None:
+        """401 unless ``authorization`` is ``Bearer <an accepted key>`` (or no key is configured)."""
+        if not self._keys:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                           None, "invalid_api_key")
+        tok = token.strip().encode()
+        if not any(hmac.compare_digest(tok, k) for k in self._keys):
+            raise APIError(401, "incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+
+    def check_serving(self) -> None:
+        """503 while draining or once the engine is dead."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
+        if not self.engine.is_alive:
+            raise EngineDeadError(self.engine.dead_reason or "engine is dead")
+
+    def admit(self, model: ServedModel) -> None:
+        """``check_serving``, then 429 when ``model``'s queue is full."""
+        self.check_serving()
+        # Admission (review M12): the config's per-model queue_size is checked here and nowhere else.
+        if model.queue_size:
+            waiting = self.engine.snapshot().models[model.id].waiting
+            if waiting >= model.queue_size:
+                raise QueueFullError(f"model {model.id!r} already has {waiting} waiting requests "
+                                     f"(queue_size={model.queue_size})")
+
+    async def submit_rows(self, request: Request, model_id: str, rows: List[Dict[str, Any]]) -> List[Any]:
+        """One engine request per row, all in flight together (the batch manager batches them); a failure
+        or a client that goes away cancels the rest. The engine validates each row as it is submitted: a
+        ``PayloadError`` carries the index of its row."""
+        timeout = self.settings.request_timeout_s
+
+        async def one(i: int, row: Dict[str, Any]) -> Any:
+            try:
+                return await self.engine.submit(model_id, row, timeout=timeout)
+            except PayloadError as exc:  # the engine checked the row: say which one it was
+                exc.row = i
+                raise
+
+        async def all_rows():
+            tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(rows)]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    if not t.done():
+                        t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return await unless_disconnected(request, all_rows())
+
+
+# ---- dependencies -----------------------------------------------------------------------------------
+
+def served_state(request: Request) -> ServerState:
+    """The app's ``ServerState`` (a FastAPI dependency)."""
+    return request.app.state.computron
+
+
+def api_key(endpoint: Optional[str] = None) -> Callable[[Request], None]:
+    """A FastAPI dependency: 401 unless the request bears an accepted key. With ``endpoint``, an
+    inference route's 401 counts in ``computron_requests`` (model ``_unknown``)."""
+    def check(request: Request) -> None:
+        state = served_state(request)
+        try:
+            state.check_key(request.headers.get("authorization", ""))
+        except APIError:
+            if endpoint:
+                state.metrics.request_done(UNKNOWN, endpoint, 401)
+            raise
+    return check
+
+
+class Call:
+    """One inference request as the metrics and the debug log see it: endpoint, model label, start."""
+
+    def __init__(self, state: ServerState, endpoint: str):
+        self.metrics = state.metrics
+        self.endpoint = endpoint
+        self.label = UNKNOWN
+        """The request's model once it is known to be served (metrics labels stay bounded)."""
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def gone(self) -> Response:
+        """The client went away: 499."""
+        self.metrics.request_done(self.label, self.endpoint, 499)
+        log.debug("%s %s: client disconnected after %.1f ms", self.endpoint, self.label, self.elapsed() * 1e3)
+        return Response(status_code=499)
+
+    def failed(self, err: Union[APIError, V2Error]) -> Response:
+        self.metrics.request_done(self.label, self.endpoint, err.status)
+        log.debug("%s %s: %d %s (%.1f ms)", self.endpoint, self.label, err.status, err.message,
+                  self.elapsed() * 1e3)
+        return error_response(err)
+
+    def answered(self, what: str) -> float:
+        """Count a 200 and log ``what`` was answered; returns the seconds since arrival."""
+        e2e = self.elapsed()
+        self.metrics.request_done(self.label, self.endpoint, 200)
+        log.debug("%s %s: 200, %s, %.1f ms", self.endpoint, self.label, what, e2e * 1e3)
+        return e2e

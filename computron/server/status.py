@@ -1,0 +1,65 @@
+"""Health, Prometheus and the status page: the router no API key guards.
+
+    GET /              the status page (one static HTML file polling the two feeds below)
+    GET /api/status    each model's residency (``residency.py``: disk, host, loading, resident,
+                       offloading), queued and running sequences, last load and offload
+    GET /api/events    the timeline after ``?since=N`` (loads, offloads, batches, steps)
+    GET /health        200 while serving; 503 when draining or when the engine is dead (with why)
+    GET /metrics       Prometheus (``metrics.py``)
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, Optional
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import FileResponse, Response
+
+from .http import json_response
+from .metrics import CONTENT_TYPE
+from .residency import Residency
+from .state import ServerState, served_state
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+
+router = APIRouter()
+
+
+@router.get("/")
+async def index():
+    return FileResponse(os.path.join(STATIC_DIR, "index.html"), media_type="text/html")
+
+
+@router.get("/health")
+async def health(state: ServerState = Depends(served_state)):
+    if state.draining:
+        return json_response({"status": "shutting_down"}, 503)
+    if not state.engine.is_alive:
+        return json_response({"status": "dead", "reason": state.engine.dead_reason}, 503)
+    return json_response({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(state: ServerState = Depends(served_state)):
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_row(model_id: str, s: Optional[Any]) -> Dict[str, Any]:
+    """One row of the status page; ``s`` is the model's ``ModelSnapshot`` (None: not reported)."""
+    return {"id": model_id, "state": Residency.of(s).value, "engine_state": s and s.state, "tier": s and s.tier,
+            "waiting": s.waiting if s else 0, "running": s.running if s else 0,
+            "last_load": s and s.last_load, "last_offload": s and s.last_offload}
+
+
+@router.get("/api/status")
+async def status(state: ServerState = Depends(served_state)):
+    snap = state.engine.snapshot()
+    return json_response({"alive": snap.alive, "dead_reason": snap.dead_reason, "draining": state.draining,
+                          "time": time.time(), "models": [_model_row(m, snap.models.get(m)) for m in state.models]})
+
+
+@router.get("/api/events")
+async def events(since: int = 0, state: ServerState = Depends(served_state)):
+    cursor, evs = state.engine.events(since)
+    return json_response({"next": cursor, "events": evs})
