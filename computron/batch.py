@@ -36,8 +36,19 @@ class TaskEntry:
 class BatchManager:
     """Default: batches of one request; the model's forward gets the request data unchanged."""
 
+    prepare_off_loop: bool = False
+    """``prepare`` does enough CPU work (tokenizing, decoding images) to run on a thread of its own,
+    off the caller's event loop."""
+
     def validate(self, data: Any) -> None:
         """Reject a malformed request at submit time (raise ValueError/TypeError). Optional hook."""
+
+    def prepare(self, data: Any) -> Any:
+        """Check a request and turn it into what ``make_batch`` batches. The engine calls it at submit,
+        outside its lock (on a thread when ``prepare_off_loop``), so ``make_batch`` only has to pad and
+        stack. Default: ``validate``, the data unchanged."""
+        self.validate(data)
+        return data
 
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         entry = q.popleft()

@@ -1,7 +1,7 @@
 """Validated configuration dataclasses. A bad field raises ``ValueError`` naming it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 from .scheduler import POLICIES
@@ -166,7 +166,8 @@ class ModelConfig:
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of model_fn."""
     batch_manager: Any = None
-    """A BatchManager; None makes batches of one request."""
+    """A BatchManager; None makes batches of one request (a causal LM gets a CausalLMBatchManager). It
+    stays on the master with its tokenizers: workers never receive it (``for_workers``)."""
     pipelinable: bool = True
     """Whether the model may be split into pipeline stages (the paper's flag); False with pp > 1 fails the launch."""
     tp_plan: Optional[Dict[str, Any]] = None
@@ -183,7 +184,7 @@ class ModelConfig:
     the tensors its stage and TP rank hold, and may leave them on disk beyond
     ``EngineConfig.host_budget``. ``model_fn`` is still required: it builds the model when the
     directory cannot be read this way (no safetensors, another architecture). A ``model_fn`` that is
-    ``zoo.load_causal_lm`` or ``zoo_understanding.load_encoder`` with a ``path`` is read this way too."""
+    ``loading.load_causal_lm`` or ``loading.load_encoder`` with a ``path`` is read this way too."""
 
     def __post_init__(self):
         c = "ModelConfig"
@@ -207,6 +208,11 @@ class ModelConfig:
             if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):
                 _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str) or None")
             self.checkpoint = os.fspath(self.checkpoint)
+
+
+    def for_workers(self) -> "ModelConfig":
+        """What a worker needs to build its shard: this config without the master's batch manager."""
+        return replace(self, batch_manager=None)
 
 
 def check_model_configs(model_configs: Iterable[ModelConfig]) -> list:

@@ -33,13 +33,16 @@ class PayloadError(RequestError, ValueError):
     front answers with both. Batch managers raise it (it is a ValueError) for a bad field.
     """
 
-    def __init__(self, message: str, param: Optional[str] = None, reason: Optional[str] = None):
+    def __init__(self, message: str, param: Optional[str] = None, reason: Optional[str] = None,
+                 row: Optional[int] = None):
         super().__init__(message)
         self.param = param
         self.reason = message if reason is None else reason
+        self.row = row
+        """Which row of a multi-row HTTP request (v2 infer, embeddings) it was, when one was."""
 
-    def __reduce__(self):  # keep param and reason through pickling
-        return type(self), (str(self), self.param, self.reason)
+    def __reduce__(self):  # keep param, reason and row through pickling
+        return type(self), (str(self), self.param, self.reason, self.row)
 
 
 class QueueFullError(RequestError):

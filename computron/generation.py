@@ -12,13 +12,14 @@ The answer is a 1-D LongTensor of the new token ids.
 """
 from __future__ import annotations
 
+import random
 from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
-from .messages import BatchingDefaults
+from .messages import BatchingDefaults, SeqSpec
 from .validation import is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
@@ -123,6 +124,19 @@ class CausalLMBatchManager(BatchManager):
                                f"positions, so max_tokens must be at most {limit - n_prompt}", "max_tokens")
 
     # ---- batching ------------------------------------------------------------
+    def to_spec(self, uid: int, data: Dict[str, Any]) -> SeqSpec:
+        """A validated request as the sequence workers run under token-level generation."""
+        ids = _ids(data, "input_ids")
+        if "attention_mask" in data:  # masked-out tokens are invisible to the model: leave them out
+            ids = [t for t, m in zip(ids, _ids(data, "attention_mask")) if m]
+        temperature = float(data.get("temperature") or 0.0)
+        seed = data.get("seed")
+        if seed is None:
+            seed = random.getrandbits(63) if temperature > 0 else 0
+        return SeqSpec(sid=uid, prompt=tuple(ids), max_tokens=int(data.get("max_tokens", self.default_max_tokens)),
+                       eos=tuple(self.eos_token_id or ()), temperature=temperature, top_k=int(data.get("top_k") or 0),
+                       top_p=float(data["top_p"]) if data.get("top_p") is not None else 1.0, seed=int(seed))
+
     @staticmethod
     def _key(data: Dict[str, Any]) -> Tuple:
         return tuple(data.get(k) for k in _SAMPLING)

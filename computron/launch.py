@@ -331,11 +331,12 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
     local_world = layout.n_workers // n_nodes
     first = node_rank * local_world
     ctx = mp.get_context("spawn")
+    worker_configs = [mc.for_workers() for mc in configs]
     procs, status = [], []
     for i in range(local_world):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker_main, name=f"computron-worker-{first + i}",
-                        args=(first + i, i, local_world, layout, config, configs, addr, port, send_end,
+                        args=(first + i, i, local_world, layout, config, worker_configs, addr, port, send_end,
                               threading.current_thread() is threading.main_thread()),
                         daemon=True)
         p.start()
@@ -503,7 +504,7 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
     if rank != 0:
         channel = WorkerChannel(groups)
-        worker = Worker(rank, groups, channel, configs, config, device)
+        worker = Worker(rank, groups, channel, [mc.for_workers() for mc in configs], config, device)
         failure = None
         try:
             worker.build()
@@ -522,7 +523,8 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     router = _ReplyRouter(expected_ready=layout.n_workers - 1)
     channel = router.channel(groups)
     channel.start()
-    worker = Worker(0, groups, WorkerChannel(groups, master=channel), configs, config, device)
+    worker = Worker(0, groups, WorkerChannel(groups, master=channel), [mc.for_workers() for mc in configs],
+                    config, device)
     own_error = None
     try:
         worker.build()

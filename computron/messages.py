@@ -104,13 +104,6 @@ class BatchingDefaults:
         """The keyword arguments of ``CausalLMBatchManager``."""
         return asdict(self)
 
-    # a mapping too, so that ``CausalLMBatchManager(**defaults)`` works as it did with a dict
-    def keys(self):
-        return self.as_kwargs().keys()
-
-    def __getitem__(self, key: str) -> Any:
-        return self.as_kwargs()[key]
-
 
 @dataclass(frozen=True, kw_only=True)
 class StepResult:

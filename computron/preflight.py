@@ -261,7 +261,7 @@ def _check_shape(mid: str, source: str, c: Dict[str, Any], tp: int, pp: int) -> 
 def _check_picklable(mc: ModelConfig) -> None:
     mid = mc.model_id
     parts = [("model_fn", mc.model_fn)] + [(f"model_kwargs[{k!r}]", v) for k, v in mc.model_kwargs.items()]
-    parts += [("tp_plan", mc.tp_plan), ("batch_manager", mc.batch_manager)]
+    parts.append(("tp_plan", mc.tp_plan))  # the batch manager stays on the master
     for field, value in parts:
         try:
             pickle.dumps(value)

@@ -10,7 +10,6 @@ turning a finished answer into a tensor; no locks (the engine holds its own).
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -177,22 +176,6 @@ class TokenBatch:
                        max_tokens=spec.max_tokens - len(req.tokens), eos=spec.eos, temperature=spec.temperature,
                        top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed, gen_state=req.gen_state)
 
-    def spec_for(self, uid: int, data: Dict[str, Any]) -> SeqSpec:
-        """A request's sequence as the workers need it; the batch manager validated ``data`` at submit."""
-        ids = _as_list(data["input_ids"])
-        if "attention_mask" in data:  # masked-out tokens are invisible to the model: leave them out
-            mask = _as_list(data["attention_mask"])
-            ids = [t for t, m in zip(ids, mask) if m]
-        temperature = float(data.get("temperature") or 0.0)
-        seed = data.get("seed")
-        if seed is None:
-            seed = random.getrandbits(63) if temperature > 0 else 0
-        eos = self.bm.eos_token_id or ()
-        return SeqSpec(sid=uid, prompt=tuple(ids),
-                       max_tokens=int(data.get("max_tokens", self.bm.default_max_tokens)),
-                       eos=tuple(eos), temperature=temperature, top_k=int(data.get("top_k") or 0),
-                       top_p=float(data["top_p"]) if data.get("top_p") is not None else 1.0, seed=int(seed))
-
     def next_step(self, queue: Deque[SubmitEntry], requests: Dict[int, Request]) -> Tuple[list, tuple, list]:
         """Choose what the next step admits (oldest first, up to the batch size and the prompt-token
         budget; a longer prompt alone still goes) and drops. Also returns ``[(uid, error)]`` for
@@ -211,7 +194,7 @@ class TokenBatch:
             entry = queue[0]
             req = requests[entry.uid]
             try:
-                spec = self.spec_for(entry.uid, entry.data)
+                spec = self.bm.to_spec(entry.uid, entry.data)
             except Exception as exc:  # noqa: BLE001 - that request fails alone
                 queue.popleft()
                 rejected.append((entry.uid, exc))
@@ -257,11 +240,3 @@ class TokenBatch:
         self.to_drop.clear()
         self.paused_since = None
         return victims, on_workers
-
-
-def _as_list(v) -> List[int]:
-    if hasattr(v, "tolist"):
-        v = v.tolist()
-        if v and isinstance(v[0], list):
-            v = v[0]
-    return list(v)

@@ -1,4 +1,4 @@
-"""Batching for language and image understanding models: classifiers, embeddings, ViT.
+"""Batching for language understanding models: classifiers and embeddings (images: ``images.py``).
 
 Every request is a plain dict and every answer a JSON-able dict, so an HTTP
 front can pass ``await engine.submit(model_id, data)`` straight through.
@@ -16,19 +16,14 @@ hides the padding, so each answer equals the one the request would get alone.
   the raw value for regression);
 - token classification: ``{"labels": [...], "scores": [...], "logits": [[...]]}`` per token, plus
   ``"tokens"`` when the request was text;
-- embeddings: ``{"embedding": [...], "pooling": "mean"|"cls"}``; ``mean`` (the default) averages the
+- embeddings: ``{"embedding": [...], "pooling": "mean"|"cls", "tokens": n}``; ``mean`` (the default) averages the
   last hidden states over the tokens the attention mask keeps, ``cls`` takes the first token's;
   ``"normalize": true`` in a request scales its vector to unit length.
 
-Image requests (``ImageClassificationBatchManager``) carry ``pixel_values``
-(``[C, H, W]`` or ``[1, C, H, W]``, a tensor or nested lists, already
-preprocessed to the configured size) or ``image``: encoded image bytes (PNG,
-JPEG, ... or their base64 text), decoded with PIL and preprocessed with the
-checkpoint's image processor. Answer: ``{"label", "score", "labels", "logits"}``
-with the ``top_k`` (default 5) best labels.
-
-``validate`` (run by the engine at submit time) raises ``PayloadError`` whose
-``param`` names the bad field; images are decoded whole there, so a truncated
+``prepare`` (run by the engine at submit time, on a thread of its own and
+outside the engine's lock) validates a request, raising ``PayloadError`` whose
+``param`` names the bad field, and tokenizes it; ``make_batch`` only pads.
+Images (``images.py``) are decoded and preprocessed there too, so a truncated
 or corrupt file fails its own request at once, not a batch.
 
 ``for_checkpoint(path)`` builds each manager from a checkpoint directory's
@@ -36,9 +31,8 @@ or corrupt file fails its own request at once, not a batch.
 """
 from __future__ import annotations
 
-import base64
-import io
 import os
+from dataclasses import dataclass
 from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -115,10 +109,28 @@ def _position_limit(config) -> Optional[int]:
     return n
 
 
+@dataclass(frozen=True)
+class PreparedText:
+    """A text request ready to batch: tokenized at submit (off the engine's lock), with the request's own
+    fields (``top_k``, ``normalize``) and whether it came as text."""
+    ids: List[int]
+    mask: List[int]
+    token_type_ids: Optional[List[int]]
+    fields: Dict[str, Any]
+    from_text: bool
+
+
+def prepared(manager: BatchManager, data: Any, kind: type) -> Any:
+    """``data`` as ``manager.prepare`` makes it (requests reach ``make_batch`` prepared by the engine;
+    this also takes raw ones, as a caller of ``make_batch`` may pass)."""
+    return data if isinstance(data, kind) else manager.prepare(data)
+
+
 class _TextBatching(BatchManager):
     """Token ids or text in, right-padded ``input_ids``/``attention_mask``/``token_type_ids`` out."""
 
     _extra_fields: Tuple[str, ...] = ()
+    prepare_off_loop = True
 
     def __init__(self, max_batch_size: int = 8, pad_token_id: int = 0, vocab_size: Optional[int] = None,
                  max_length: Optional[int] = None, type_vocab_size: Optional[int] = None, tokenizer=None):
@@ -199,6 +211,11 @@ class _TextBatching(BatchManager):
     def _validate_extra(self, data: Dict[str, Any]) -> None:
         """Checks of the subclass's own request fields."""
 
+    def prepare(self, data: Any) -> "PreparedText":
+        self.validate(data)
+        ids, mask, tt = self._encode(data)
+        return PreparedText(ids, mask, tt, {k: data[k] for k in self._extra_fields if k in data}, "text" in data)
+
     # ---- batching ------------------------------------------------------------
     def _encode(self, data: Dict[str, Any]) -> Tuple[List[int], List[int], Optional[List[int]]]:
         if "text" in data:
@@ -212,32 +229,34 @@ class _TextBatching(BatchManager):
         tt = _int_list(data, "token_type_ids") if "token_type_ids" in data else None
         return ids, mask, tt
 
-    def _take(self, q: Deque[SubmitEntry]) -> List[SubmitEntry]:
+    def _take(self, q: Deque[SubmitEntry]) -> List[Tuple[SubmitEntry, "PreparedText"]]:
+        """Up to a batch of prepared requests (the engine prepares them at submit; a request handed to
+        ``make_batch`` unprepared is prepared here, and one that fails waits to fail alone as the head)."""
         head = q.popleft()
-        self.validate(head.data)
-        taken = [head]
+        taken = [(head, prepared(self, head.data, PreparedText))]
         while q and len(taken) < self.max_batch_size:
-            taken.append(q.popleft())
+            try:
+                item = prepared(self, q[0].data, PreparedText)
+            except Exception:  # noqa: BLE001 - it fails alone, as the next head
+                break
+            taken.append((q.popleft(), item))
         return taken
 
-    def _pad(self, taken: List[SubmitEntry]) -> Tuple[Dict[str, torch.Tensor], List[List[int]]]:
-        encoded = [self._encode(e.data) for e in taken]
-        width = max(len(ids) for ids, _, _ in encoded)
-        n = len(taken)
+    def _pad(self, rows: List["PreparedText"]) -> Dict[str, torch.Tensor]:
+        width = max(len(r.ids) for r in rows)
+        n = len(rows)
         ids_t = torch.full((n, width), self.pad_token_id, dtype=torch.int64)
         mask_t = torch.zeros((n, width), dtype=torch.int64)
         tt_t = torch.zeros((n, width), dtype=torch.int64)
-        any_tt = False
-        for i, (ids, mask, tt) in enumerate(encoded):
-            ids_t[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            mask_t[i, :len(mask)] = torch.tensor(mask, dtype=torch.int64)
-            if tt is not None:
-                any_tt = True
-                tt_t[i, :len(tt)] = torch.tensor(tt, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids_t[i, :len(r.ids)] = torch.tensor(r.ids, dtype=torch.int64)
+            mask_t[i, :len(r.mask)] = torch.tensor(r.mask, dtype=torch.int64)
+            if r.token_type_ids is not None:
+                tt_t[i, :len(r.token_type_ids)] = torch.tensor(r.token_type_ids, dtype=torch.int64)
         batch = {"input_ids": ids_t, "attention_mask": mask_t}
-        if any_tt:
+        if any(r.token_type_ids is not None for r in rows):
             batch["token_type_ids"] = tt_t
-        return batch, [ids for ids, _, _ in encoded]
+        return batch
 
 
 class TextClassificationBatchManager(_TextBatching):
@@ -278,13 +297,12 @@ class TextClassificationBatchManager(_TextBatching):
 
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         taken = self._take(q)
-        batch, ids = self._pad(taken)
-        info = {"lengths": [len(i) for i in ids],
-                "top_k": [int(e.data.get("top_k", self.default_top_k)) for e in taken]}
+        rows = [r for _, r in taken]
+        info = {"lengths": [len(r.ids) for r in rows],
+                "top_k": [int(r.fields.get("top_k", self.default_top_k)) for r in rows]}
         if self.task == "token" and self.tokenizer is not None:
-            info["tokens"] = [self.tokenizer.convert_ids_to_tokens(i) if "text" in e.data else None
-                              for e, i in zip(taken, ids)]
-        return TaskEntry(tuple(e.uid for e in taken), batch), info
+            info["tokens"] = [self.tokenizer.convert_ids_to_tokens(r.ids) if r.from_text else None for r in rows]
+        return TaskEntry(tuple(e.uid for e, _ in taken), self._pad(rows)), info
 
     def split_batch(self, task_entry: TaskEntry, lengths: Sequence[int] = (), top_k: Sequence[int] = (),
                     tokens: Sequence[Optional[List[str]]] = (), **_) -> List[Tuple[Hashable, Any]]:
@@ -332,153 +350,25 @@ class EmbeddingBatchManager(_TextBatching):
 
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         taken = self._take(q)
-        batch, _ = self._pad(taken)
+        batch = self._pad([r for _, r in taken])
         batch["pooling"] = self.pooling
-        return TaskEntry(tuple(e.uid for e in taken), batch), {
-            "normalize": [bool(e.data.get("normalize", False)) for e in taken]}
+        return TaskEntry(tuple(e.uid for e, _ in taken), batch), {
+            "normalize": [bool(r.fields.get("normalize", False)) for _, r in taken],
+            "lengths": [len(r.ids) for _, r in taken]}
 
-    def split_batch(self, task_entry: TaskEntry, normalize: Sequence[bool] = (), **_) -> List[Tuple[Hashable, Any]]:
+    def split_batch(self, task_entry: TaskEntry, normalize: Sequence[bool] = (), lengths: Sequence[int] = (),
+                    **_) -> List[Tuple[Hashable, Any]]:
         emb = task_entry.batch["embeddings"].float()
         out = []
         for i, uid in enumerate(task_entry.uids):
             v = emb[i]
             if normalize and normalize[i]:
                 v = torch.nn.functional.normalize(v, dim=-1)
-            out.append((uid, {"embedding": [float(x) for x in v.tolist()], "pooling": self.pooling}))
+            answer = {"embedding": [float(x) for x in v.tolist()], "pooling": self.pooling}
+            if lengths:
+                answer["tokens"] = lengths[i]
+            out.append((uid, answer))
         return out
 
 
-class ImageClassificationBatchManager(BatchManager):
-    """ViT-style image classification: ``pixel_values`` or encoded ``image`` bytes in, top-k labels out."""
-
-    def __init__(self, id2label: Optional[Dict[int, str]] = None, num_labels: Optional[int] = None,
-                 image_size: Any = 224, num_channels: int = 3, processor=None, max_batch_size: int = 8,
-                 default_top_k: int = 5, problem_type: Optional[str] = None,
-                 max_image_bytes: int = 32 << 20):
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size!r}: must be an int >= 1")
-        self.labels = _labels(id2label, num_labels)
-        h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-        self.shape = (int(num_channels), int(h), int(w))
-        self.processor = processor
-        self.max_batch_size = max_batch_size
-        self.default_top_k = default_top_k
-        self.problem_type = problem_type
-        self.max_image_bytes = max_image_bytes
-
-    @classmethod
-    def for_checkpoint(cls, path: str, max_batch_size: int = 8, **kw) -> "ImageClassificationBatchManager":
-        """Labels and image size from ``config.json``; the image processor from ``preprocessor_config.json``
-        (requests with ``image`` bytes need it; without one only ``pixel_values`` are taken)."""
-        config = _load_config(path)
-        archs = config.architectures or []
-        if not any(a.endswith("ForImageClassification") for a in archs):
-            raise ValueError(f"checkpoint {path!r}: config.architectures={archs!r} has no image "
-                             "classification head")
-        processor = None
-        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
-            from transformers import AutoImageProcessor
-            processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-        return cls(id2label=config.id2label, num_labels=config.num_labels, image_size=config.image_size,
-                   num_channels=config.num_channels, processor=processor, max_batch_size=max_batch_size,
-                   problem_type=config.problem_type, **kw)
-
-    # ---- checks at submit time -----------------------------------------------
-    def _image_bytes(self, v: Any) -> bytes:
-        if isinstance(v, str):
-            if v.startswith("data:") and "," in v:
-                v = v.split(",", 1)[1]
-            try:
-                v = base64.b64decode(v, validate=True)
-            except ValueError:
-                raise PayloadError("image: a string must be base64-encoded image bytes", "image") from None
-        if not isinstance(v, (bytes, bytearray)):
-            raise PayloadError(f"image must be bytes or base64 text, got {type(v).__name__}", "image")
-        if not v:
-            raise PayloadError("image is empty", "image")
-        if len(v) > self.max_image_bytes:
-            raise PayloadError(f"image has {len(v)} bytes; at most {self.max_image_bytes} are taken", "image")
-        return bytes(v)
-
-    def _pixels(self, v: Any) -> torch.Tensor:
-        if not isinstance(v, torch.Tensor):
-            try:
-                v = torch.tensor(v, dtype=torch.float32)
-            except (TypeError, ValueError, RuntimeError):
-                raise PayloadError("pixel_values must be a tensor or nested lists of numbers", "pixel_values") from None
-        if v.dim() == 4 and v.shape[0] == 1:
-            v = v[0]
-        if not (v.dtype.is_floating_point or v.dtype in (torch.uint8, torch.int64, torch.int32)):
-            raise PayloadError(f"pixel_values must hold numbers, got {v.dtype}", "pixel_values")
-        if tuple(v.shape) != self.shape:
-            raise PayloadError(f"pixel_values has shape {tuple(v.shape)}; the model takes {self.shape} "
-                               "(channels, height, width)", "pixel_values")
-        v = v.float()
-        if not torch.isfinite(v).all():
-            raise PayloadError("pixel_values has NaN or infinite values", "pixel_values")
-        return v
-
-    def validate(self, data: Any) -> None:
-        if not isinstance(data, dict):
-            raise TypeError(f"an image request is a dict with 'pixel_values' or 'image', got {type(data).__name__}")
-        unknown = set(data) - {"pixel_values", "image", "top_k"}
-        if unknown:
-            raise PayloadError(f"unknown request fields {sorted(unknown)}", sorted(unknown)[0])
-        if ("pixel_values" in data) == ("image" in data):
-            raise PayloadError("exactly one of 'pixel_values' and 'image' is required")
-        _check_int(data, "top_k")
-        if "pixel_values" in data:
-            self._pixels(data["pixel_values"])
-            return
-        if self.processor is None:
-            raise PayloadError("image: this model's checkpoint has no image processor; send pixel_values", "image")
-        self._decode(self._image_bytes(data["image"]))
-
-    @staticmethod
-    def _decode(raw: bytes):
-        """The whole image decoded (a truncated or corrupt file fails here, at submit time, not in a batch)."""
-        from PIL import Image
-        try:
-            img = Image.open(io.BytesIO(raw))
-            img.load()
-        except Exception as exc:  # noqa: BLE001 - OSError, SyntaxError, DecompressionBombError, ... by format
-            raise PayloadError(f"image: the bytes are no image PIL can read ({type(exc).__name__}: {exc})",
-                               "image") from None
-        return img
-
-    # ---- batching ------------------------------------------------------------
-    def _preprocess(self, raw: bytes) -> torch.Tensor:
-        img = self._decode(raw).convert("RGB" if self.shape[0] == 3 else "L")
-        pv = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
-        if tuple(pv.shape) != self.shape:
-            raise ValueError(f"image processor made shape {tuple(pv.shape)}; the model takes {self.shape}")
-        return pv.float()
-
-    def _prepare(self, data: Dict[str, Any]) -> torch.Tensor:
-        if "pixel_values" in data:
-            return self._pixels(data["pixel_values"])
-        return self._preprocess(self._image_bytes(data["image"]))
-
-    def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
-        head = q.popleft()
-        self.validate(head.data)
-        taken, pixels = [head], [self._prepare(head.data)]
-        while q and len(taken) < self.max_batch_size:
-            try:
-                px = self._prepare(q[0].data)
-            except Exception:  # noqa: BLE001 - an image that does not decode fails alone, as the next head
-                break
-            taken.append(q.popleft())
-            pixels.append(px)
-        batch = {"pixel_values": torch.stack(pixels)}
-        return TaskEntry(tuple(e.uid for e in taken), batch), {
-            "top_k": [int(e.data.get("top_k", self.default_top_k)) for e in taken]}
-
-    def split_batch(self, task_entry: TaskEntry, top_k: Sequence[int] = (), **_) -> List[Tuple[Hashable, Any]]:
-        logits = task_entry.batch["logits"]
-        return [(uid, _top_k(logits[i], self.labels, top_k[i] if top_k else self.default_top_k,
-                             self.problem_type))
-                for i, uid in enumerate(task_entry.uids)]
-
-
-__all__ = ["TextClassificationBatchManager", "EmbeddingBatchManager", "ImageClassificationBatchManager"]
+from .images import ImageClassificationBatchManager  # noqa: E402 - the image manager's old home

@@ -210,13 +210,15 @@ def test_image_bytes_are_decoded_with_the_checkpoint_processor(encoders):
     assert task.batch["pixel_values"].shape == (2, 3, 32, 32)
     torch.testing.assert_close(task.batch["pixel_values"], want.expand(2, -1, -1, -1))
     assert info["top_k"] == [5, 5]
-    # an image whose header reads but whose data does not decode fails alone, not with its batch
+    # an image whose header reads but whose data does not decode fails at submit (the engine prepares
+    # every request); handed to make_batch unprepared, it fails alone, not with its batch
     broken = raw[:len(raw) // 2]
-    bm.validate({"image": broken})
+    with pytest.raises(PayloadError, match="input|image"):
+        bm.prepare({"image": broken})
     q = deque([SubmitEntry(0, {"image": raw}), SubmitEntry(1, {"image": broken}), SubmitEntry(2, {"image": raw})])
     task, _ = bm.make_batch(q)
     assert task.uids == (0,) and [e.uid for e in q] == [1, 2]
-    with pytest.raises(OSError):
+    with pytest.raises(PayloadError):
         bm.make_batch(q)
     assert [e.uid for e in q] == [2]
 

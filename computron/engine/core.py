@@ -163,6 +163,7 @@ class Engine:
 
     async def submit(self, model_id: str, data: Any, timeout: Optional[float] = None) -> Any:
         """Queue one request for ``model_id`` and wait for its whole output."""
+        data = await self._prepare(model_id, data)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         uid = self._enqueue(model_id, data, fut, loop)
@@ -182,6 +183,7 @@ class Engine:
         at the next step and frees its cache. Models that do not generate token by token yield
         their whole answer at the end.
         """
+        data = await self._prepare(model_id, data)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue: asyncio.Queue = asyncio.Queue()
@@ -243,11 +245,17 @@ class Engine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
-    def _enqueue(self, model_id, data, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
-        """Validate (outside the lock: a batch manager may parse or decode), then queue and pump."""
+    async def _prepare(self, model_id: str, data: Any) -> Any:
+        """Validate and prepare a request before it is queued: never under the engine's lock, and off the
+        event loop for batch managers that tokenize or decode (``prepare_off_loop``), so neither the
+        loop nor the thread that delivers replies and heartbeats waits for it."""
         self._requests.check_model(model_id)
         self._raise_if_dead()
-        self._requests.validate(model_id, data)
+        if getattr(self._requests.manager(model_id), "prepare_off_loop", False):
+            return await asyncio.to_thread(self._requests.prepare, model_id, data)
+        return self._requests.prepare(model_id, data)
+
+    def _enqueue(self, model_id, data, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
         with self._lock:
             self._raise_if_dead()
             uid = self._requests.add(model_id, data, fut, loop, stream)

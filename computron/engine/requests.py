@@ -1,7 +1,7 @@
 """The requests the engine holds: each model's waiting queue, and every request until it is answered.
 
-``RequestTable`` admits a request (after its batch manager has validated it,
-outside the engine's lock), bounds each queue, removes a cancelled one, and
+``RequestTable`` prepares a request with its model's batch manager (validation,
+tokenizing, image decoding: outside the engine's lock), admits it, bounds each queue, removes a cancelled one, and
 answers one: the future and the stream are resolved on the caller's own loop,
 and the request leaves a ``RequestRecord``. It also gives the scheduler each
 model's oldest waiting request (``heads``).
@@ -34,21 +34,28 @@ class RequestTable:
         if not isinstance(model_id, str) or model_id not in self.queues:
             raise UnknownModelError(model_id, self.queues)
 
-    def validate(self, model_id: str, data: Any) -> None:
-        """The model's batch manager checks the request (no lock held: it may parse or decode);
-        PayloadError naming the field otherwise."""
-        validate = getattr(self._batch_managers[model_id], "validate", None)  # optional for ported managers
-        if validate is None:
-            return
+    def manager(self, model_id: str):
+        return self._batch_managers[model_id]
+
+    def prepare(self, model_id: str, data: Any) -> Any:
+        """The model's batch manager checks the request and prepares it for batching (no lock held: it may
+        tokenize or decode); PayloadError naming the field otherwise."""
+        bm = self._batch_managers[model_id]
+        prepare = getattr(bm, "prepare", None)  # optional for managers ported from EnergonAI
+        validate = getattr(bm, "validate", None)
         try:
-            validate(data)
+            if prepare is not None:
+                return prepare(data)
+            if validate is not None:
+                validate(data)
+            return data
         except Exception as exc:  # noqa: BLE001 - whatever the batch manager objects to
             raise PayloadError(f"model {model_id!r}: malformed request: {exc}", getattr(exc, "param", None),
                                str(exc)) from None
 
     def add(self, model_id: str, data: Any, fut: asyncio.Future, loop: asyncio.AbstractEventLoop,
             stream: Optional[asyncio.Queue]) -> int:
-        """Queue a validated request; QueueFullError over ``EngineConfig.queue_size``."""
+        """Queue a prepared request; QueueFullError over ``EngineConfig.queue_size``."""
         queue = self.queues[model_id]
         if self.queue_size and len(queue) >= self.queue_size:
             raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
