@@ -12,7 +12,7 @@ DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-t
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 
-.PHONY: setup browser demo test bench bench-gen bench-http clean
+.PHONY: setup browser demo test test-unit bench bench-gen bench-burst bench-http clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` o
 test: setup browser
 	$(PY) -m pytest -q --timeout 900 tests
 
+test-unit: setup  # seconds: the tests that start no process (tests/unit; also `pytest -m unit`)
+	$(PY) -m pytest -q --timeout 120 tests/unit
+
 # Debian's headless Chromium + driver for the status page's browser test (skipped, saying why, without them)
 browser:
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
@@ -45,6 +48,9 @@ bench: setup  # make bench ARGS="--tp 2" (any benchmarks/swap.py option)
 
 bench-gen: setup  # token-level vs request-level generation on one Gamma trace (one JSON line)
 	$(PY) benchmarks/generation.py $(ARGS)
+
+bench-burst: setup  # 300 short requests at once over 3 models, token level vs request level (one JSON line)
+	$(PY) benchmarks/burst.py $(ARGS)
 
 bench-http: setup  # the HTTP front's added latency per request and per streamed token (one JSON line)
 	$(PY) benchmarks/http_overhead.py

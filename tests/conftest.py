@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny local checkpoints (never the hub) and a no-leaked-process check."""
+"""Shared fixtures (tiny local checkpoints, never the hub; a no-leaked-process check) and the test tiers.
+
+Tests live in four folders, each a marker (``pytest -m unit``): ``unit/`` (pure policy, parsing, the
+engine in-process with fake workers: no process, seconds in all), ``engine/`` (``LaunchEngine`` with
+real worker processes on CPU), ``server/`` (``computron serve`` live, the status page in a browser),
+``e2e/`` (launchers, the README's commands, benchmarks' and experiments' CPU paths).
+"""
 import os
 
 import psutil
@@ -31,3 +37,22 @@ def no_leaked_processes():
         p.kill()
     assert not alive, f"test left processes behind: {[p.pid for p in alive]}"
 
+
+
+TIERS = {"unit": "no process: pure policy, parsing, the engine in-process with fake workers (seconds)",
+         "engine": "LaunchEngine with real worker processes on CPU",
+         "server": "computron serve live, over HTTP and in a browser",
+         "e2e": "launchers, the README's commands, the CPU paths of benchmarks and experiments"}
+
+
+def pytest_configure(config):
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        tier = os.path.relpath(str(item.fspath), here).split(os.sep)[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -16,7 +16,7 @@ from helpers import HANG_TOKEN, greedy_reference, hanging_lm
 from computron import (CausalLMBatchManager, EngineConfig, EngineDeadError, LaunchEngine, ModelConfig,
                        PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError, WorkerError, zoo)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(300)
 
 BAD_PARAMETERS = [

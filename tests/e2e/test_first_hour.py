@@ -15,7 +15,7 @@ import torch
 from computron import EngineConfig, LaunchEngine, LaunchError, ModelConfig, zoo
 from computron.preflight import PreflightError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
 STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ", re.M)  # wall-clock log timestamps
 

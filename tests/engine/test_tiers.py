@@ -142,7 +142,7 @@ def test_unreadable_layouts_fall_back_to_model_fn(tmp_path, checkpoints):
 
 _RSS_SCRIPT = textwrap.dedent("""
     import json, sys, threading, psutil
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, {tests!r}]
     from test_tiers import build_shard
     from computron import ModelConfig, zoo
     mc = ModelConfig("big", zoo.load_causal_lm, {{"path": {path!r}}})
@@ -163,7 +163,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 
 
 def _peak_growth(path, sliced):
-    code = _RSS_SCRIPT.format(here=HERE, path=path, sliced=sliced)
+    code = _RSS_SCRIPT.format(here=HERE, tests=os.path.dirname(HERE), path=path, sliced=sliced)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

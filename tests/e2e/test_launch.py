@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -111,7 +111,7 @@ def test_attach_mode_start_up_order_does_not_matter(tmp_path, last):
     env.update(LAST=str(last), HANDOFF=str(fifo))
     env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), os.path.join(ROOT, "tests", "attach_race.py")],
+                           "--master_port", str(_free_port()), os.path.join(ROOT, "tests", "e2e", "attach_race.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ATTACH RACE OK" in proc.stdout, proc.stdout + proc.stderr

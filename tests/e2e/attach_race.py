@@ -1,4 +1,4 @@
-"""Attach mode with one rank deliberately built last (run under torchrun by tests/test_launch.py).
+"""Attach mode with one rank deliberately built last (run under torchrun by tests/e2e/test_launch.py).
 
 ``LAST=0``: rank 0 builds its shard only after a heartbeat of rank 1 has reached its master channel,
 so that heartbeat arrives before the engine exists. ``LAST=1``: rank 1 builds only after rank 0's own
