@@ -1,11 +1,12 @@
 """Device byte budgets: what each model needs per rank and what the budget allows (inputs of the pure
-scheduler, computed from the workers' ready messages)."""
+scheduler, computed from the workers' ready messages), and the engine's scheduler built with them."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
 from . import messages as msg
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
+from .scheduler import Scheduler
 
 
 def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:
@@ -37,3 +38,18 @@ def check_memory(config: EngineConfig, workers: List[msg.WorkerReady]) -> None:
         raise ValueError(f"EngineConfig.device_budget={budget} bytes per rank cannot hold "
                          + ", ".join(f"model {m!r} ({b} bytes per rank: shard + {config.kv_reserve:g} KV reserve)"
                                      for m, b in sorted(too_big.items())))
+
+
+def make_scheduler(config: EngineConfig, model_configs: List[ModelConfig],
+                   workers: List[msg.WorkerReady]) -> Scheduler:
+    """The engine's scheduler for these models, with their sizes and the device budget. One batch (or step)
+    in flight per model: workers run commands in order anyway, and a second batch sent early would only
+    split a burst into smaller batches."""
+    paper = config.paper_mode
+    return Scheduler([mc.model_id for mc in model_configs], config.max_loaded,
+                     prefetch=config.prefetch and not paper, overlap=config.overlap and not paper,
+                     max_inflight=1, policy="run_to_completion" if paper else config.policy,
+                     quantum_s=config.quantum_ms / 1e3, ttft_slo_s=config.ttft_slo_s,
+                     sizes=model_sizes(config, workers), device_budget=device_budget(config, workers),
+                     pinned=[mc.model_id for mc in model_configs if mc.pinned],
+                     priority={mc.model_id: mc.priority for mc in model_configs})

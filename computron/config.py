@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
-from .scheduler import POLICIES
+from .policies import POLICIES
 
 _BACKENDS = ("gloo", "nccl")
 _DEVICES = ("cpu", "cuda")
@@ -44,6 +44,10 @@ class EngineConfig:
     On a small shared CPU more threads than free cores make OpenMP spin against
     the master and each other (seen here: 40x slower forwards with 2 threads on 2 cores).
     """
+    prepare_threads: int = 1
+    """Threads that prepare requests whose batch manager tokenizes or decodes images (off the event loop
+    and the engine's lock), at a lower CPU priority than the master's own threads, so that a burst of
+    such requests cannot hold up steps or heartbeats."""
     step_mode: bool = True
     """Token-level generation for causal LMs: the master drives each model one step (one token per
     running sequence) at a time, requests join and leave the running batch between steps, answers
@@ -110,6 +114,9 @@ class EngineConfig:
             _fail(c, "backend", self.backend, f"must be one of {_BACKENDS} or None")
         if self.device is not None and self.device not in _DEVICES:
             _fail(c, "device", self.device, f"must be one of {_DEVICES} or None")
+        if not isinstance(self.prepare_threads, int) or isinstance(self.prepare_threads, bool) \
+                or self.prepare_threads < 1:
+            _fail(c, "prepare_threads", self.prepare_threads, "must be an int >= 1")
         if not isinstance(self.worker_threads, int) or self.worker_threads < 0:
             _fail(c, "worker_threads", self.worker_threads, "must be an int >= 0 (0 = automatic)")
         if not isinstance(self.metrics_history, int) or self.metrics_history < 0:

@@ -10,17 +10,18 @@ thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
 Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``):
 global rank 0 hosts the master next to worker 0 and returns the engine; the
 other ranks serve until shutdown and return None.
+
+Each process's own set-up (logging, threads, device) is in ``process_setup.py``; where the
+master's replies go before and after the engine exists, in ``reply_router.py``.
 """
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -36,8 +37,10 @@ from . import preflight
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
 from .errors import LaunchError
+from .process_setup import device_for, die_with_parent, free_port, setup_logging, threads_per_worker
+from .reply_router import ReplyRouter
 from .topology import Groups, Layout
-from .transport import MasterChannel, WorkerChannel
+from .transport import WorkerChannel
 from .worker import Worker
 
 log = logging.getLogger("computron.launch")
@@ -57,185 +60,13 @@ def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], 
         raise RuntimeError("LaunchEngine ran again inside a worker process, which imports the main module: "
                            "call it under `if __name__ == '__main__':`")
     preflight.check(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
-    _setup_logging(engine_config, None if "RANK" not in os.environ else int(os.environ["RANK"]))
+    setup_logging(engine_config, None if "RANK" not in os.environ else int(os.environ["RANK"]))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _attach(engine_config, configs, tp_world_size, pp_world_size)
     return _spawn(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
 
 
 launch_computron = LaunchEngine
-
-
-# ---- helpers ----------------------------------------------------------------
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _device_for(config: EngineConfig, local_rank: int, local_world: int) -> torch.device:
-    if config.resolved_device() == "cpu":
-        return torch.device("cpu")
-    n = torch.cuda.device_count()
-    if n < local_world:
-        raise RuntimeError(f"{local_world} workers on this node need as many GPUs; found {n}")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
-def _setup_logging(config: EngineConfig, rank: Optional[int] = None) -> None:
-    """Logging of the ``computron`` loggers in this process: a worker ``rank``, or the master (None).
-
-    INFO by default (``COMPUTRON_LOG_LEVEL`` overrides; a level the application set on the
-    ``computron`` logger is kept), wall-clock timestamps to the millisecond. Workers write to stderr,
-    which spawned workers share with the master's console, or only to ``log_dir/worker_<rank>.log``
-    when ``EngineConfig.log_dir`` is set. The master (and rank 0 under a launcher) writes to its
-    console unless the application installed its own handlers, and also to ``log_dir/master.log``
-    or the file ``COMPUTRON_LOG_FILE`` names. Also silences third-party noise the engine triggers:
-    torch's "CPU process group does not support alltoall yet" and transformers' progress bars.
-    """
-    who = "master" if rank is None else f"rank{rank}"
-    fmt = logging.Formatter(f"%(asctime)s.%(msecs)03d {who} %(name)s %(levelname)s: %(message)s",
-                            datefmt="%Y-%m-%d %H:%M:%S")
-    root = logging.getLogger("computron")
-    for h in [h for h in root.handlers if getattr(h, "_computron", False)]:  # a second launch in this process
-        root.removeHandler(h)
-        h.close()
-    env_level = os.environ.get("COMPUTRON_LOG_LEVEL")
-    if env_level:
-        root.setLevel(env_level.upper())
-    elif root.level == logging.NOTSET:
-        root.setLevel(logging.INFO)
-    handlers = []
-    if rank is not None and config.log_dir:
-        os.makedirs(config.log_dir, exist_ok=True)
-        handlers.append(logging.FileHandler(os.path.join(config.log_dir, f"worker_{rank}.log")))
-    elif not root.handlers and not logging.getLogger().handlers:
-        handlers.append(logging.StreamHandler())  # stderr: the master's console for spawned workers
-    hosts_master = rank is None or (rank == 0 and "RANK" in os.environ)
-    master_file = os.environ.get("COMPUTRON_LOG_FILE") or (
-        os.path.join(config.log_dir, "master.log") if config.log_dir else None)
-    if hosts_master and master_file:
-        os.makedirs(os.path.dirname(os.path.abspath(master_file)), exist_ok=True)
-        handlers.append(logging.FileHandler(master_file))
-    for h in handlers:
-        h.setFormatter(fmt)
-        h._computron = True
-        root.addHandler(h)
-    _quiet_third_party(worker=rank is not None)
-
-
-def _quiet_third_party(worker: bool) -> None:
-    torch_log = logging.getLogger("torch.distributed.tensor._collective_utils")
-    if not any(getattr(f, "_computron", False) for f in torch_log.filters):
-        def no_alltoall(record):  # gloo's DTensor redistribution falls back to allgather: expected here
-            return "does not support alltoall" not in record.getMessage()
-        no_alltoall._computron = True
-        torch_log.addFilter(no_alltoall)
-    if not worker:  # the master builds no model: leave the application's progress bars alone
-        return
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
-    if "transformers" in sys.modules:  # already imported (a from_pretrained model_fn): switch its bars off
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-
-
-def _die_with_parent(started_by_main_thread: bool) -> None:
-    if started_by_main_thread:  # PR_SET_PDEATHSIG fires when the starting *thread* exits
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch():
-        mpc.wait([parent.sentinel])
-        os._exit(1)
-    threading.Thread(target=watch, name="computron-parent-watch", daemon=True).start()
-
-
-def _threads_per_worker(config: EngineConfig, local_world: int) -> int:
-    if config.worker_threads:
-        return config.worker_threads
-    return max(1, ((os.cpu_count() or 1) - 1) // local_world)  # leave a core to the master
-
-
-class _ReplyRouter:
-    """Where the master channel's replies go, before and after the engine exists.
-
-    In attach mode the channel starts before rank 0 has built its shards, so the other ranks' ready
-    messages, and then their heartbeats, can arrive before there is an engine: start-up messages
-    are collected here, anything else is held and handed to the engine, in order, by ``attach``.
-    A failure while handling a reply kills the engine naming that failure (never a healthy rank),
-    and the receiver thread goes on (it still has the workers' goodbyes to collect).
-    """
-
-    def __init__(self, expected_ready: int, exit_cause=lambda: None):
-        self.expected_ready = expected_ready
-        self.ready: List[msg.WorkerReady] = []
-        self.failed: List[msg.WorkerStartFailed] = []
-        self.started = threading.Event()
-        if expected_ready == 0:
-            self.started.set()
-        self._exit_cause = exit_cause
-        self._engine: Optional[Engine] = None
-        self._held: list = []
-        self._lock = threading.Lock()
-
-    def channel(self, groups: Groups) -> MasterChannel:
-        return MasterChannel(groups, on_reply=self.route, on_transport_error=self.transport_error,
-                             on_handler_error=self.handler_error)
-
-    def missing(self) -> int:
-        return self.expected_ready - len(self.ready) - len(self.failed)
-
-    def route(self, reply) -> None:
-        if isinstance(reply, (msg.WorkerReady, msg.WorkerStartFailed)):
-            (self.ready if isinstance(reply, msg.WorkerReady) else self.failed).append(reply)
-            if self.missing() <= 0:
-                self.started.set()
-            return
-        engine = self._engine
-        if engine is None:
-            with self._lock:
-                engine = self._engine
-                if engine is None:
-                    self._held.append(reply)
-                    return
-        engine.on_reply(reply)
-
-    def attach(self, engine: Engine) -> None:
-        """Hand over what arrived before the engine existed; from now on replies go straight to it."""
-        with self._lock:
-            if self._held:
-                log.debug("handing %d replies that arrived during start-up to the engine", len(self._held))
-            for reply in self._held:
-                engine.on_reply(reply)
-            self._held.clear()
-            self._engine = engine
-
-    def transport_error(self, exc: BaseException) -> None:
-        engine = self._engine
-        if engine is not None:
-            engine.on_transport_error(exc, cause=self._exit_cause())
-        else:
-            self.failed.append(msg.WorkerStartFailed(-1, f"control plane failed: {type(exc).__name__}: {exc}"))
-            self.started.set()
-
-    def handler_error(self, exc: BaseException, reply) -> None:
-        log.error("the master failed handling %s", type(reply).__name__,
-                  exc_info=(type(exc), exc, exc.__traceback__))
-        engine = self._engine
-        if engine is not None:
-            engine.on_internal_error(exc, reply)
-        else:
-            self.failed.append(msg.WorkerStartFailed(
-                -1, f"the master failed handling {type(reply).__name__}: {type(exc).__name__}: {exc}"))
-            self.started.set()
 
 
 # ---- spawn mode ---------------------------------------------------------------
@@ -246,11 +77,11 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     # a supervisor) reaches the master, which drains and then stops us (SIGKILL if we don't exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent(from_main_thread)
-    _setup_logging(config, rank)
-    torch.set_num_threads(_threads_per_worker(config, local_world))
+    die_with_parent(from_main_thread)
+    setup_logging(config, rank)
+    torch.set_num_threads(threads_per_worker(config, local_world))
     try:
-        device = _device_for(config, local_rank, local_world)
+        device = device_for(config, local_rank, local_world)
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=layout.world_size, timeout=timedelta(seconds=config.death_timeout_s))
         groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
@@ -327,7 +158,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
                            "mode starts its own process group (shut the previous engine down first)")
     layout = Layout(tp=tp, pp=pp, master_rank=tp * pp, master_is_worker=False)
     addr = config.master_host
-    port = config.master_port or _free_port(addr)
+    port = config.master_port or free_port(addr)
     local_world = layout.n_workers // n_nodes
     first = node_rank * local_world
     ctx = mp.get_context("spawn")
@@ -389,7 +220,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             dist.destroy_process_group()
         raise
 
-    router = _ReplyRouter(expected_ready=0, exit_cause=lambda: workers.exited(wait_s=5))
+    router = ReplyRouter(expected_ready=0, exit_cause=lambda: workers.exited(wait_s=5))
     channel = router.channel(init["groups"])
 
     def on_close(dead: bool):
@@ -495,9 +326,9 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world != tp * pp:
         raise ValueError(f"WORLD_SIZE={world} from the launcher, but tp_world_size*pp_world_size={tp * pp}")
-    _setup_logging(config, rank)
-    torch.set_num_threads(_threads_per_worker(config, local_world))
-    device = _device_for(config, local_rank, local_world)
+    setup_logging(config, rank)
+    torch.set_num_threads(threads_per_worker(config, local_world))
+    device = device_for(config, local_rank, local_world)
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.death_timeout_s))
     layout = Layout(tp=tp, pp=pp, master_rank=0, master_is_worker=True)
@@ -520,7 +351,7 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
             raise LaunchError(f"rank {rank} failed to start:\n{failure}")
         return None
 
-    router = _ReplyRouter(expected_ready=layout.n_workers - 1)
+    router = ReplyRouter(expected_ready=layout.n_workers - 1)
     channel = router.channel(groups)
     channel.start()
     worker = Worker(0, groups, WorkerChannel(groups, master=channel), [mc.for_workers() for mc in configs],

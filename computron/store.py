@@ -1,4 +1,4 @@
-"""Per-worker storage of model shards, and the two ways of swapping them.
+"""Per-worker storage of model shards: the ``Store`` interface and ``ShardStore``, the fast swap.
 
 ``ShardStore`` (the fast path) keeps each model's shard in one contiguous host
 buffer per dtype (pinned where CUDA exists). A load takes one device buffer per
@@ -17,12 +17,11 @@ segment, with the host → device copy of each segment starting as soon as it ha
 been read. ``HostPool`` keeps released host buffers (pinned on CUDA) for the
 next model read from disk.
 
-``PaperStore`` swaps the way the paper did, for side-by-side comparison: one
-``.to()`` per tensor into freshly allocated memory on load, and on offload a
-fresh host copy of every tensor.
-
-Both are a ``Store``, the one interface the worker uses; its defaults describe a
-store without a disk tier.
+``PaperStore`` (``paper_store.py``) swaps the way the paper did, for side-by-side
+comparison. Both are a ``Store``, the one interface the worker uses; its defaults
+describe a store without a disk tier. The host and device buffer pools live in
+``memory.py``; how a shard is laid out in its buffers (``Slot``) and which
+segments have arrived (``Readiness``) in ``segments.py``.
 """
 from __future__ import annotations
 
@@ -31,203 +30,15 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ._torch_compat import local_tensor as _local  # the tensor that holds a parameter's data
+from .memory import DevicePool, HostPool, free_host, pinned_empty  # the pools: still importable from here
+from .segments import Readiness, collect_slots
 
 log = logging.getLogger("computron.store")
-
-
-@dataclass
-class Slot:
-    tensor: torch.Tensor  # the persistent tensor object whose .data is rebound
-    name: str
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    numel: int
-    segment: int
-    offset: int = 0  # within its dtype's flat buffer
-    mutable: bool = False
-
-
-def collect_slots(module: nn.Module, segments: Sequence[nn.Module],
-                  mutable_buffers: Sequence[str] = ()) -> List[Slot]:
-    """Every distinct parameter/buffer of ``module``, tagged with its readiness segment.
-
-    Segment ``i + 1`` holds the tensors of ``segments[i]``; segment 0 holds the
-    rest, which must be ready before any forward starts.
-    """
-    seg_of: Dict[int, int] = {}
-    for i, seg in enumerate(segments):
-        for t in list(seg.parameters()) + list(seg.buffers()):
-            seg_of.setdefault(id(_local(t)), i + 1)
-    slots: List[Slot] = []
-    seen = set()
-    named = list(module.named_parameters(remove_duplicate=False)) + list(
-        module.named_buffers(remove_duplicate=False))
-    for name, t in named:
-        local = _local(t)
-        if id(local) in seen:
-            continue
-        seen.add(id(local))
-        slots.append(Slot(tensor=local, name=name, shape=tuple(local.shape), dtype=local.dtype,
-                          numel=local.numel(), segment=seg_of.get(id(local), 0),
-                          mutable=name in mutable_buffers))
-    missing = set(mutable_buffers) - {s.name for s in slots}
-    if missing:
-        raise ValueError(f"mutable_buffers names no buffer of the model: {sorted(missing)}")
-    slots.sort(key=lambda s: s.segment)  # stable: module order within a segment
-    return slots
-
-
-def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A page-locked host buffer of exactly ``numel`` elements.
-
-    torch's pinned allocator rounds every block up to a power of two (a 13.3 GB
-    shard would lock 16 GB), so the buffer is allocated pageable and registered
-    with CUDA in place; where registration is refused, the pinned allocator it is.
-    Buffers of models that stay in host memory live as long as the worker; ``free_host`` unregisters
-    the ones the disk tier lets go.
-    """
-    buf = torch.empty(numel, dtype=dtype)
-    try:
-        cudart = torch.cuda.cudart()
-        cudart.cudaHostRegister(buf.data_ptr(), numel * buf.element_size(), 0)
-        if buf.is_pinned():
-            _REGISTERED.add(buf.data_ptr())
-            return buf
-        cudart.cudaHostUnregister(buf.data_ptr())  # registered in some other way than copies can use
-    except Exception:  # noqa: BLE001 - fall back to the allocator below
-        pass
-    return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-
-_REGISTERED: set = set()  # data_ptr of host buffers registered by pinned_empty
-
-
-def free_host(buf: torch.Tensor) -> None:
-    """Let a host buffer go (unregistering it from CUDA if pinned_empty registered it)."""
-    ptr = buf.data_ptr()
-    if ptr in _REGISTERED:
-        _REGISTERED.discard(ptr)
-        try:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        except Exception:  # noqa: BLE001 - freed anyway
-            log.warning("could not unregister a pinned host buffer", exc_info=True)
-
-
-class HostPool:
-    """Host buffers (pinned on CUDA) of models that left host memory, kept for the next model read from
-    disk: same-shaped models reuse them without allocating, pinning or page-faulting again."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._free: Dict[torch.dtype, List[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A buffer of at least ``numel`` elements (at most a quarter more than asked)."""
-        with self._lock:
-            free = self._free.get(dtype, [])
-            fits = [b for b in free if numel <= b.numel() <= numel + numel // 4]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                free[:] = [b for b in free if b is not best]  # by identity: == on tensors compares values
-                return best
-        return pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(buf.dtype, []).append(buf)
-
-    def trim(self, keep_bytes: int, keep_for: Optional[Dict[torch.dtype, int]] = None) -> None:
-        """Free buffers, largest first, until at most ``keep_bytes`` stay in the pool besides the ones
-        ``take`` would hand out for ``keep_for`` (dtype -> elements: the model about to be read)."""
-        with self._lock:
-            spared = set()
-            for dt, numel in (keep_for or {}).items():
-                fits = [b for b in self._free.get(dt, []) if numel <= b.numel() <= numel + numel // 4]
-                if fits:
-                    spared.add(id(min(fits, key=lambda b: b.numel())))
-            bufs = sorted((b for v in self._free.values() for b in v if id(b) not in spared),
-                          key=lambda b: -b.numel() * b.element_size())
-            total = sum(b.numel() * b.element_size() for b in bufs)
-            for b in bufs:
-                if total <= keep_bytes:
-                    break
-                self._free[b.dtype] = [x for x in self._free[b.dtype] if x is not b]
-                total -= b.numel() * b.element_size()
-                free_host(b)
-
-    def reserved_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
-
-
-class DevicePool:
-    """Device buffers kept for reuse (CPU only; CUDA has torch's caching allocator).
-
-    Writing into memory that is already mapped runs 3-4x faster on CPU than into
-    fresh memory, where every page faults on first touch.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._free: Dict[torch.dtype, List[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(dtype, [])
-            fits = [b for b in free if b.numel() >= numel]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                free[:] = [b for b in free if b is not best]  # by identity: == on tensors compares values
-                return best
-            free.clear()  # nothing fits: give the memory back before asking for more
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault(buf.dtype, []).append(buf)
-
-    def reserved_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
-
-
-class _Readiness:
-    """Per-segment 'weights have arrived' flags: threading events on CPU, CUDA events on GPU."""
-
-    def __init__(self, n: int, cuda: bool):
-        self.cuda = cuda
-        self.host = [threading.Event() for _ in range(n)]
-        self.dev: List[Optional[torch.cuda.Event]] = [None] * n
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-
-    def mark(self, i: int, event=None) -> None:
-        self.dev[i] = event
-        self.host[i].set()
-
-    def fail(self, exc: BaseException) -> None:
-        self.error = exc
-        for e in self.host:
-            e.set()
-        self.done.set()
-
-    def wait(self, i: int) -> None:
-        if self.done.is_set() and self.error is None:
-            return  # all has arrived (on CUDA the copy stream was synchronised): every later forward
-        self.host[i].wait()
-        if self.error is not None:
-            raise RuntimeError(f"loading the weights failed: {self.error}")
-        if self.cuda and self.dev[i] is not None:
-            torch.cuda.current_stream().wait_event(self.dev[i])
 
 
 class Store(abc.ABC):
@@ -242,7 +53,7 @@ class Store(abc.ABC):
         self.n_segments = len(segments) + 1
         self.nbytes = sum(s.numel * s.dtype.itemsize for s in self.slots)
         self._empty = {}
-        self._ready: Optional[_Readiness] = None
+        self._ready: Optional[Readiness] = None
         self._hooks = [seg.register_forward_pre_hook(self._make_hook(i + 1))
                        for i, seg in enumerate(segments)]
         self.resident = False
@@ -428,7 +239,7 @@ class ShardStore(Store):
             s.tensor.data = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
         if self.cuda:  # the buffers came from the compute stream: copy only after its pending work
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        ready = _Readiness(self.n_segments, self.cuda)
+        ready = Readiness(self.n_segments, self.cuda)
         self._ready = ready
         self.resident = True
         self._loader = threading.Thread(target=self._copy, args=(ready, t0, on_done, from_disk),
@@ -464,7 +275,7 @@ class ShardStore(Store):
             return i
         return reader, next_segment
 
-    def _copy(self, ready: _Readiness, t0: float, on_done, from_disk: bool = False) -> None:
+    def _copy(self, ready: Readiness, t0: float, on_done, from_disk: bool = False) -> None:
         error = None
         reader = None
         try:
@@ -532,52 +343,4 @@ class ShardStore(Store):
         self._dev = {}
         self._ready = None
         self._loader = None
-        self.resident = False
-
-
-class PaperStore(Store):
-    """The paper's swap: ``.to(device)`` per tensor on load, a fresh host copy of each on offload."""
-
-    def __init__(self, module, segments, device, mutable_buffers: Sequence[str] = ()):
-        super().__init__(module, segments, device, mutable_buffers)
-        self.host_tensors: List[torch.Tensor] = []
-        with torch.no_grad():
-            for s in self.slots:
-                self.host_tensors.append(s.tensor.detach().to("cpu", copy=True))
-                s.tensor.data = self._placeholder(s.dtype)
-
-    def device_bytes(self) -> int:
-        if not self.resident:
-            return 0
-        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.slots)
-
-    def begin_load(self, on_done) -> None:
-        if self.resident:
-            raise RuntimeError("model is already loaded on this worker")
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                for s, h in zip(self.slots, self.host_tensors):
-                    s.tensor.data = h.to(self.device, copy=True)
-            if self.cuda:
-                torch.cuda.current_stream().synchronize()
-        except BaseException as exc:  # noqa: BLE001
-            self.resident = True
-            self.offload()
-            on_done(t0, time.perf_counter(), exc)
-            return
-        self.resident = True
-        self._ready = None
-        on_done(t0, time.perf_counter(), None)
-
-    def offload(self) -> None:
-        if not self.resident:
-            return
-        with torch.no_grad():
-            for i, s in enumerate(self.slots):
-                if s.tensor.numel() == s.numel:
-                    self.host_tensors[i] = s.tensor.data.to("cpu", copy=True)
-                s.tensor.data = self._placeholder(s.dtype)
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()
         self.resident = False

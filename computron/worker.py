@@ -22,9 +22,11 @@ import torch
 from . import messages as msg
 from . import p2p
 from .config import EngineConfig, ModelConfig
+from .memory import DevicePool, HostPool
 from .models import StageContext, make_runner
 from .models.base import GenerativeRunner, ParkResult, StageRunner
-from .store import DevicePool, HostPool, PaperStore, ShardStore, Store
+from .paper_store import PaperStore
+from .store import ShardStore, Store
 
 log = logging.getLogger("computron.worker")
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .. import messages as msg
+
+log = logging.getLogger("computron.engine")
 
 
 class CommandKind(enum.Enum):
@@ -119,3 +122,14 @@ class CommandTracker:
             if p.waiter is not None:
                 p.waiter({})
         self._pending.clear()
+
+
+def complete_query(p: PendingCommand, now: float, error: Optional[str]) -> None:
+    """A query (``STATS``) has every rank's reply: hand them to its waiter."""
+    p.waiter(p.replies)
+
+
+def complete_cleanup(p: PendingCommand, now: float, error: Optional[str]) -> None:
+    """A ``CLEANUP`` is answered: nobody waits for it, its errors are only logged."""
+    if error is not None:
+        log.warning("cleaning up after a failure of %s did not work everywhere: %s", p.model_id, error)

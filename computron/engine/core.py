@@ -26,15 +26,16 @@ import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .. import messages as msg
-from ..budget import device_budget, model_sizes
+from ..budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, RequestTimeoutError
 from ..generation import CausalLMBatchManager, batch_manager_for
-from ..scheduler import ActionKind, Scheduler
+from ..scheduler import ActionKind
 from ..sequences import TokenBatch, consume
 from .batches import RequestLevel
-from .commands import CommandKind, CommandTracker, PendingCommand
+from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .liveness import Liveness
+from .preparation import preparation_pool
 from .requests import RequestTable
 from .swaps import Swaps
 from .telemetry import EngineSnapshot, ModelSnapshot, Telemetry
@@ -55,15 +56,7 @@ class Engine:
         self._batch_managers = {mc.model_id: mc.batch_manager or batch_manager_for(
             self._batching_info(mc.model_id), config.max_batch_size) for mc in model_configs}
         paper = config.paper_mode
-        # One batch (or step) in flight per model: workers run commands in order anyway, and a
-        # second batch sent early would only split a burst into smaller batches.
-        self._sched = Scheduler([mc.model_id for mc in model_configs], config.max_loaded,
-                                prefetch=config.prefetch and not paper, overlap=config.overlap and not paper,
-                                max_inflight=1, policy="run_to_completion" if paper else config.policy,
-                                quantum_s=config.quantum_ms / 1e3, ttft_slo_s=config.ttft_slo_s,
-                                sizes=model_sizes(config, workers), device_budget=device_budget(config, workers),
-                                pinned=[mc.model_id for mc in model_configs if mc.pinned],
-                                priority={mc.model_id: mc.priority for mc in model_configs})
+        self._sched = make_scheduler(config, model_configs, workers)  # one batch (or step) in flight per model
         self._lock = threading.RLock()  # re-entered: a reply handler may end in _die
         self._telemetry = Telemetry(config.metrics_history)
         self._requests = RequestTable(self._batch_managers, config.queue_size, self._telemetry)
@@ -84,8 +77,8 @@ class Engine:
         self._handlers = {CommandKind.LOAD: self._swaps.complete, CommandKind.OFFLOAD: self._swaps.complete,
                           CommandKind.STEP: self._token_level.complete_step,
                           CommandKind.BATCH: self._request_level.complete,
-                          CommandKind.STATS: self._complete_query, CommandKind.CLEANUP: self._complete_cleanup}
-        self._reply_observers: List[Callable[[Any], None]] = []
+                          CommandKind.STATS: complete_query, CommandKind.CLEANUP: complete_cleanup}
+        self._preparation = preparation_pool(config.prepare_threads)
         self._dead: Optional[str] = None
         self._closed = threading.Event()  # close() ran
         self._stopped = threading.Event()  # closed or dead: run() returns
@@ -123,7 +116,7 @@ class Engine:
         """Call ``fn(reply)`` for every worker reply, heartbeats included, before the engine handles it
         (on the thread that delivers it; keep it short; an exception is logged and ignored)."""
         with self._lock:
-            self._reply_observers.append(fn)
+            self._telemetry.add_reply_observer(fn)
 
     def counters(self) -> Dict[str, Dict]:
         """Running totals since start that never expire (for Prometheus counters): ``swaps``,
@@ -246,13 +239,14 @@ class Engine:
             raise EngineDeadError(self._dead)
 
     async def _prepare(self, model_id: str, data: Any) -> Any:
-        """Validate and prepare a request before it is queued: never under the engine's lock, and off the
-        event loop for batch managers that tokenize or decode (``prepare_off_loop``), so neither the
-        loop nor the thread that delivers replies and heartbeats waits for it."""
+        """Validate and prepare a request before it is queued: never under the engine's lock, and on the
+        preparation threads (``preparation.py``) for batch managers that tokenize or decode
+        (``prepare_off_loop``), so neither the loop nor the thread that delivers replies waits for it."""
         self._requests.check_model(model_id)
         self._raise_if_dead()
         if getattr(self._requests.manager(model_id), "prepare_off_loop", False):
-            return await asyncio.to_thread(self._requests.prepare, model_id, data)
+            return await asyncio.get_running_loop().run_in_executor(self._preparation, self._requests.prepare,
+                                                                    model_id, data)
         return self._requests.prepare(model_id, data)
 
     def _enqueue(self, model_id, data, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
@@ -301,7 +295,7 @@ class Engine:
     # ---- replies from workers (receiver thread) ------------------------------
     def on_reply(self, reply: Any) -> None:
         """Called on the transport's receiver thread (or a worker thread in attach mode) for every reply."""
-        self._observe(reply)
+        self._telemetry.observe_reply(reply)
         if isinstance(reply, msg.Heartbeat):
             reason = self._liveness.on_heartbeat(reply)
             if reason is not None:
@@ -313,13 +307,6 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a bug here must not silently kill the receiver thread
                 log.exception("engine failed handling %s", reply)
                 self._die(f"internal error handling {type(reply).__name__}: {type(exc).__name__}: {exc}")
-
-    def _observe(self, reply: Any) -> None:
-        for fn in self._reply_observers:
-            try:
-                fn(reply)
-            except Exception:  # noqa: BLE001 - an observer's bug must not stop serving
-                log.exception("a reply observer failed on %s", type(reply).__name__)
 
     def _on_reply_locked(self, reply: Any) -> None:
         if isinstance(reply, (msg.WorkerReady, msg.WorkerStartFailed)):
@@ -339,13 +326,6 @@ class Engine:
         self._handlers[pending.kind](pending, t0, pending.root_cause())
         pending.master_s += time.perf_counter() - t0
         self._pump()
-
-    def _complete_query(self, p: PendingCommand, now: float, error: Optional[str]) -> None:
-        p.waiter(p.replies)
-
-    def _complete_cleanup(self, p: PendingCommand, now: float, error: Optional[str]) -> None:
-        if error is not None:
-            log.warning("cleaning up after a failure of %s did not work everywhere: %s", p.model_id, error)
 
     # ---- liveness, death and shutdown ----------------------------------------
     def _check_liveness(self, now: float) -> bool:
@@ -399,6 +379,7 @@ class Engine:
             self._dead = self._dead or "engine is shutting down"
             self._fail_everything()
             self._closed.set()
+        self._preparation.shutdown(wait=False, cancel_futures=True)
         try:
             if self._on_close is not None:
                 self._on_close(already_dead)

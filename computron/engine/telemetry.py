@@ -5,8 +5,9 @@ timeline the status page draws (consecutive steps of one model merged into one
 bar), running totals that never expire (``Engine.counters``, for Prometheus),
 the last load and offload of each model, and two measured rates the KV-cache
 policy reads (KV bytes per model, prefill tokens per second). Observers
-registered with ``add_observer`` see every record as it is made; a failing
-observer is logged and never disturbs serving.
+registered with ``add_observer`` see every record as it is made, and those
+registered with ``add_reply_observer`` every worker reply (``observe_reply``);
+a failing observer is logged and never disturbs serving.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class Telemetry:
         self.prefill_rate: Dict[str, float] = {}
         """Prompt tokens per second of each model's prefills (steps that admitted sequences)."""
         self._observers: List[Callable[[Any], None]] = []
+        self._reply_observers: List[Callable[[Any], None]] = []
         self._wall_offset = time.time() - time.perf_counter()
 
     def wall(self, t: float) -> float:
@@ -74,6 +76,17 @@ class Telemetry:
     # ---- recording -----------------------------------------------------------
     def add_observer(self, fn: Callable[[Any], None]) -> None:
         self._observers.append(fn)
+
+    def add_reply_observer(self, fn: Callable[[Any], None]) -> None:
+        self._reply_observers.append(fn)
+
+    def observe_reply(self, reply: Any) -> None:
+        """Show a worker's reply to the reply observers, before the engine handles it."""
+        for fn in self._reply_observers:
+            try:
+                fn(reply)
+            except Exception:  # noqa: BLE001 - an observer's bug must not stop serving
+                log.exception("a reply observer failed on %s", type(reply).__name__)
 
     def record(self, rec) -> None:
         """Keep a record, tell the observers, and put timed commands on the timeline."""

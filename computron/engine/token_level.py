@@ -19,7 +19,8 @@ import torch
 from .. import messages as msg
 from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
-from ..scheduler import Scheduler, choose_recompute
+from ..policies import choose_recompute
+from ..scheduler import Scheduler
 from ..sequences import Request, TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable

@@ -1,0 +1,83 @@
+"""The token-level policies and the recompute choice: pure rules, no torch, no processes.
+
+``Policy`` names the rule that decides when a waiting model may take the slot of one with live
+sequences (``RunToCompletion``, ``Quantum``, ``Deadline``; ``POLICY_RULES`` maps each name to its
+rules); the scheduler applies them (``scheduler.py``). ``choose_recompute`` picks the paused
+sequences whose KV cache is cheaper to rebuild than to copy to host memory and back.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Mapping, Set
+
+MIN_TURN_STEPS = 4
+"""A model is preempted only after this many steps since it loaded, however short the quantum."""
+
+
+class Policy(str, enum.Enum):
+    """Which model's generation runs when more models have work than fit (see EngineConfig.policy)."""
+    RUN_TO_COMPLETION = "run_to_completion"
+    QUANTUM = "quantum"
+    DEADLINE = "deadline"
+
+
+POLICIES = tuple(p.value for p in Policy)
+
+
+class RunToCompletion:
+    """A resident model keeps its slot until its running sequences end: nothing is preempted."""
+
+    def __init__(self, quantum_s: float, ttft_slo_s: float):
+        self.quantum_s = quantum_s
+        self.ttft_slo_s = ttft_slo_s
+
+    def starving(self, waited: float) -> bool:
+        """Visited before every other model, and may preempt at once."""
+        return False
+
+    def may_preempt(self, waited: float, turn: float) -> bool:
+        """May a model whose oldest request ``waited`` preempt one whose turn has lasted ``turn``?"""
+        return False
+
+
+class Quantum(RunToCompletion):
+    """A model's turn ends after ``quantum_s`` of steps when another model waits for its slot."""
+
+    def may_preempt(self, waited: float, turn: float) -> bool:
+        return turn >= self.quantum_s
+
+
+class Deadline(RunToCompletion):
+    """The model closest to missing ``ttft_slo_s`` goes first; one that waited 4x it goes regardless."""
+
+    def starving(self, waited: float) -> bool:
+        return waited >= 4 * self.ttft_slo_s
+
+    def may_preempt(self, waited: float, turn: float) -> bool:
+        return self.starving(waited) or (
+            waited >= self.ttft_slo_s / 2 and turn >= min(self.quantum_s, self.ttft_slo_s) / 4)
+
+
+POLICY_RULES = {Policy.RUN_TO_COMPLETION: RunToCompletion, Policy.QUANTUM: Quantum, Policy.DEADLINE: Deadline}
+
+
+def choose_recompute(contexts: Mapping[int, int], kv_bytes_per_token: float, copy_bytes_per_s: float,
+                     prefill_tokens_per_s: float) -> Set[int]:
+    """Which paused sequences lose their KV cache (rebuilt later by a prefill) rather than have it
+    copied to host memory and back: those whose context is cheaper to recompute than to move twice.
+
+    ``contexts``: sequence -> tokens in its cache (prompt + generated). Costs per sequence:
+    copy = 2 * n * kv_bytes_per_token / copy_bytes_per_s (out and back); recompute =
+    n / prefill_tokens_per_s * (1 + n / ATTENTION_SCALE), the second factor standing for attention's
+    quadratic share, which the measured rate (from short prompts) does not show. So short contexts
+    are recomputed where prefill is cheap per token, long ones copied. Unknown rates (zero) keep the
+    cache (copying never loses work).
+    """
+    if kv_bytes_per_token <= 0 or copy_bytes_per_s <= 0 or prefill_tokens_per_s <= 0:
+        return set()
+    copy_per_token = 2 * kv_bytes_per_token / copy_bytes_per_s
+    return {sid for sid, n in contexts.items()
+            if n / prefill_tokens_per_s * (1 + n / ATTENTION_SCALE) < n * copy_per_token}
+
+
+ATTENTION_SCALE = 4096

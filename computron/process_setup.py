@@ -1,0 +1,114 @@
+"""Per-process set-up of the engine's processes (the master and each worker): logging, the torch
+threads a worker gets, its device, dying with the parent, and a free rendezvous port."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Optional
+
+import torch
+
+from .config import EngineConfig
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def device_for(config: EngineConfig, local_rank: int, local_world: int) -> torch.device:
+    if config.resolved_device() == "cpu":
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    if n < local_world:
+        raise RuntimeError(f"{local_world} workers on this node need as many GPUs; found {n}")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup_logging(config: EngineConfig, rank: Optional[int] = None) -> None:
+    """Logging of the ``computron`` loggers in this process: a worker ``rank``, or the master (None).
+
+    INFO by default (``COMPUTRON_LOG_LEVEL`` overrides; a level the application set on the
+    ``computron`` logger is kept), wall-clock timestamps to the millisecond. Workers write to stderr,
+    which spawned workers share with the master's console, or only to ``log_dir/worker_<rank>.log``
+    when ``EngineConfig.log_dir`` is set. The master (and rank 0 under a launcher) writes to its
+    console unless the application installed its own handlers, and also to ``log_dir/master.log``
+    or the file ``COMPUTRON_LOG_FILE`` names. Also silences third-party noise the engine triggers:
+    torch's "CPU process group does not support alltoall yet" and transformers' progress bars.
+    """
+    who = "master" if rank is None else f"rank{rank}"
+    fmt = logging.Formatter(f"%(asctime)s.%(msecs)03d {who} %(name)s %(levelname)s: %(message)s",
+                            datefmt="%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger("computron")
+    for h in [h for h in root.handlers if getattr(h, "_computron", False)]:  # a second launch in this process
+        root.removeHandler(h)
+        h.close()
+    env_level = os.environ.get("COMPUTRON_LOG_LEVEL")
+    if env_level:
+        root.setLevel(env_level.upper())
+    elif root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    handlers = []
+    if rank is not None and config.log_dir:
+        os.makedirs(config.log_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(config.log_dir, f"worker_{rank}.log")))
+    elif not root.handlers and not logging.getLogger().handlers:
+        handlers.append(logging.StreamHandler())  # stderr: the master's console for spawned workers
+    hosts_master = rank is None or (rank == 0 and "RANK" in os.environ)
+    master_file = os.environ.get("COMPUTRON_LOG_FILE") or (
+        os.path.join(config.log_dir, "master.log") if config.log_dir else None)
+    if hosts_master and master_file:
+        os.makedirs(os.path.dirname(os.path.abspath(master_file)), exist_ok=True)
+        handlers.append(logging.FileHandler(master_file))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h._computron = True
+        root.addHandler(h)
+    quiet_third_party(worker=rank is not None)
+
+
+def quiet_third_party(worker: bool) -> None:
+    torch_log = logging.getLogger("torch.distributed.tensor._collective_utils")
+    if not any(getattr(f, "_computron", False) for f in torch_log.filters):
+        def no_alltoall(record):  # gloo's DTensor redistribution falls back to allgather: expected here
+            return "does not support alltoall" not in record.getMessage()
+        no_alltoall._computron = True
+        torch_log.addFilter(no_alltoall)
+    if not worker:  # the master builds no model: leave the application's progress bars alone
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
+    if "transformers" in sys.modules:  # already imported (a from_pretrained model_fn): switch its bars off
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+
+
+def die_with_parent(started_by_main_thread: bool) -> None:
+    if started_by_main_thread:  # PR_SET_PDEATHSIG fires when the starting *thread* exits
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        mpc.wait([parent.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, name="computron-parent-watch", daemon=True).start()
+
+
+def threads_per_worker(config: EngineConfig, local_world: int) -> int:
+    if config.worker_threads:
+        return config.worker_threads
+    return max(1, ((os.cpu_count() or 1) - 1) // local_world)  # leave a core to the master
