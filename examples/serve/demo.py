@@ -82,6 +82,10 @@ def main():
         print("\n(random weights: the answers are gibberish, and byte tokens that form no valid UTF-8 "
               "print as U+FFFD)")
         print("models:", ", ".join(f"{m.id} ({m.state})" for m in client.models.list().data), flush=True)
+        if args.tp > 1:
+            print(f"(TP={args.tp} on this CPU: every layer's all-reduce crosses between worker processes through "
+                  "gloo, so a token takes tens of milliseconds where TP=1 takes one or two; on GPUs TP divides "
+                  "the work instead, and it is what lets every rank load its shard at once)")
         prompts = {"alpha": "The engine swaps models", "beta": "Hello wörld 🚀", "gamma": "Tell me a story"}
         for name in MODELS[:2]:
             t0 = time.perf_counter()
@@ -122,6 +126,9 @@ def main():
         if args.keep_serving:
             print("serving until Ctrl-C")
             server.wait()
+        else:
+            print("(the server stops now; `.venv/bin/python examples/serve/demo.py --keep-serving` leaves it up "
+                  "for the status page and curl, until Ctrl-C)")
     except KeyboardInterrupt:
         pass
     finally:

@@ -250,3 +250,19 @@ def test_cli_help_imports_neither_torch_nor_transformers():
     for cmd in cmds:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "exit status" in proc.stdout.lower(), (cmd, proc.stdout, proc.stderr)
+
+
+@pytest.mark.timeout(400)
+def test_make_demo_serves_three_models_and_says_how_to_keep_serving(tmp_path):
+    """`make demo`'s script, as it runs it (TP=2, one resident model): every answer, the swaps from /metrics,
+    the TP note, how to keep the server up, and a clean exit of the server."""
+    proc = subprocess.run([sys.executable, "examples/serve/demo.py", "--tp", "2", "--max-loaded", "1",
+                           "--ckpt-dir", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=360)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert out.count("] completion (") == 2 and "[gamma] streamed chat:" in out and "[alpha] chat, sampled" in out
+    loads = re.findall(r"^\s+(alpha|beta|gamma)\s+load\s+(\d+)", out, re.M)
+    assert {m for m, _ in loads} == {"alpha", "beta", "gamma"}, out
+    assert "TP=2 on this CPU" in out and "--keep-serving" in out, out
+    assert "server exited with code 0" in out, out
