@@ -68,6 +68,7 @@ async def measure(engine, args):
     loop = asyncio.get_running_loop()
     beats = []  # (rank, arrival)
     engine.add_reply_observer(lambda r: type(r).__name__ == "Heartbeat" and beats.append((r.rank, time.perf_counter())))
+    burst = [{"text": t} for t in texts(args.burst, args.chars)]  # made before: a client's own work
     await engine.submit("cls", {"text": "warm up"})
     baseline = asyncio.Event()  # set once the LLM has made QUIET_STEPS steps on its own
     steps = []
@@ -77,7 +78,7 @@ async def measure(engine, args):
     await baseline.wait()
     quiet_until = time.perf_counter()
     t0 = time.perf_counter()
-    await asyncio.gather(*[engine.submit("cls", {"text": t}) for t in texts(args.burst, args.chars)])
+    await asyncio.gather(*[engine.submit("cls", r) for r in burst])
     t1 = time.perf_counter()
     await lm
     return beats, quiet_until, t0, t1, time.perf_counter()
