@@ -194,7 +194,7 @@ def reader_only(paths, n: int = 4):
                              StageContext(_Groups(), torch.device("cpu"), "r"))
         store = ShardStore(runner.module, runner.segments, "cpu",
                            source=ck.CheckpointSource("r", p, names, runner.module), keep_host=False)
-        host = store._alloc_host()
+        host = store.alloc_host()
         files = sorted(glob.glob(os.path.join(p, "*.safetensors")))
         for h in host.values():
             h.zero_()  # fault the pages in first, as a reused host buffer is

@@ -185,6 +185,9 @@ class ModelConfig:
     """Never evict this model once loaded (it still counts against max_loaded and the device budget)."""
     priority: int = 0
     """Higher goes first when several models wait for a slot, and is evicted last."""
+    queue_size: Optional[int] = None
+    """This model's bound on waiting requests (QueueFullError over it); None takes EngineConfig.queue_size,
+    0 is unbounded."""
     checkpoint: Optional[str] = None
     """A local transformers checkpoint directory (safetensors) of a causal LM or encoder family the
     runners split: each rank then builds the model on the meta device and reads only its own slices of
@@ -210,6 +213,9 @@ class ModelConfig:
             _fail(c, "pinned", self.pinned, "must be True or False")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             _fail(c, "priority", self.priority, "must be an int")
+        if self.queue_size is not None and (not isinstance(self.queue_size, int) or isinstance(self.queue_size, bool)
+                                            or self.queue_size < 0):
+            _fail(c, "queue_size", self.queue_size, "must be None or an int >= 0 (0 = unbounded)")
         if self.checkpoint is not None:
             import os
             if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):

@@ -20,22 +20,9 @@ import torch
 from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
 from .messages import BatchingDefaults, SeqSpec
-from .validation import is_finite_number, is_valid_seed
+from .validation import int_list, is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
-
-
-def _ids(data: Dict[str, Any], key: str) -> List[int]:
-    v = data[key]
-    if isinstance(v, torch.Tensor):
-        if v.dim() == 2 and v.shape[0] == 1:
-            v = v[0]
-        if v.dim() != 1 or v.dtype.is_floating_point:
-            raise PayloadError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}", key)
-        return v.tolist()
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise PayloadError(f"{key} must be a list of ints or a 1-D integer tensor", key)
-    return list(v)
 
 
 class CausalLMBatchManager(BatchManager):
@@ -63,10 +50,7 @@ class CausalLMBatchManager(BatchManager):
     @classmethod
     def for_config(cls, hf_config, max_batch_size: int = 8, **kw) -> "CausalLMBatchManager":
         """Pad/EOS ids, vocabulary size and position limit taken from a transformers config."""
-        pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
-        return cls(max_batch_size=max_batch_size, pad_token_id=pad, eos_token_id=hf_config.eos_token_id,
-                   vocab_size=hf_config.vocab_size,
-                   max_positions=getattr(hf_config, "max_position_embeddings", None), **kw)
+        return cls(max_batch_size=max_batch_size, **BatchingDefaults.from_config(hf_config).as_kwargs(), **kw)
 
     # ---- checks at submit time -----------------------------------------------
     def validate(self, data: Any) -> None:
@@ -78,14 +62,14 @@ class CausalLMBatchManager(BatchManager):
             raise PayloadError(f"unknown request fields {unknown}", unknown[0])
         if "input_ids" not in data:
             raise PayloadError("'input_ids' is required", "input_ids")
-        ids = _ids(data, "input_ids")
+        ids = int_list(data, "input_ids")
         if not ids:
             raise PayloadError("input_ids is empty", "input_ids")
         if min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
             raise PayloadError(f"input_ids must lie in [0, {self.vocab_size}), got min {min(ids)} max {max(ids)}",
                                "input_ids")
         if "attention_mask" in data:
-            mask = _ids(data, "attention_mask")
+            mask = int_list(data, "attention_mask")
             if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
                 raise PayloadError("attention_mask must be 0/1 values of the same length as input_ids",
                                    "attention_mask")
@@ -126,9 +110,9 @@ class CausalLMBatchManager(BatchManager):
     # ---- batching ------------------------------------------------------------
     def to_spec(self, uid: int, data: Dict[str, Any]) -> SeqSpec:
         """A validated request as the sequence workers run under token-level generation."""
-        ids = _ids(data, "input_ids")
+        ids = int_list(data, "input_ids")
         if "attention_mask" in data:  # masked-out tokens are invisible to the model: leave them out
-            ids = [t for t, m in zip(ids, _ids(data, "attention_mask")) if m]
+            ids = [t for t, m in zip(ids, int_list(data, "attention_mask")) if m]
         temperature = float(data.get("temperature") or 0.0)
         seed = data.get("seed")
         if seed is None:
@@ -152,8 +136,8 @@ class CausalLMBatchManager(BatchManager):
             if self._key(entry.data) == key:
                 q.remove(entry)
                 taken.append(entry)
-        prompts = [_ids(e.data, "input_ids") for e in taken]
-        masks = [_ids(e.data, "attention_mask") if "attention_mask" in e.data else [1] * len(p)
+        prompts = [int_list(e.data, "input_ids") for e in taken]
+        masks = [int_list(e.data, "attention_mask") if "attention_mask" in e.data else [1] * len(p)
                  for e, p in zip(taken, prompts)]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(taken), width), self.pad_token_id, dtype=torch.int64)

@@ -89,10 +89,10 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
         worker = Worker(rank, groups, channel, model_configs, config, device)
         worker.build()
     except BaseException:  # noqa: BLE001 - the master raises it as LaunchError
-        status.send(("error", traceback.format_exc()))
+        status.send(msg.WorkerStartFailed(rank, traceback.format_exc()))
         status.close()
         os._exit(1)
-    status.send(("ready", worker.ready_message()))
+    status.send(worker.ready_message())
     status.close()
     worker.serve()
     channel.reply(msg.Bye(rank))
@@ -274,12 +274,12 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
                 continue
             proc = pending.pop(obj)
             try:
-                kind, payload = obj.recv()
+                payload = obj.recv()
             except EOFError:
                 proc.join(5)
                 raise LaunchError(f"{proc.name} exited during start-up (exit code {proc.exitcode})") from None
-            if kind == "error":
-                raise LaunchError(f"{proc.name} failed to start:\n{payload}")
+            if isinstance(payload, msg.WorkerStartFailed):
+                raise LaunchError(f"{proc.name} failed to start:\n{payload.error}")
             ready.append(payload)
             log.info("worker rank %d ready on %s (%s): %d model shards, %.1f MB, %.1fs after launch",
                      payload.rank, payload.host, payload.device, len(payload.host_bytes),

@@ -100,6 +100,13 @@ class BatchingDefaults:
     vocab_size: int
     max_positions: Optional[int] = None
 
+    @classmethod
+    def from_config(cls, config) -> "BatchingDefaults":
+        """From a transformers config (no pad id: 0)."""
+        return cls(pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
+                   eos_token_id=config.eos_token_id, vocab_size=config.vocab_size,
+                   max_positions=getattr(config, "max_position_embeddings", None))
+
     def as_kwargs(self) -> Dict[str, Any]:
         """The keyword arguments of ``CausalLMBatchManager``."""
         return asdict(self)

@@ -71,7 +71,7 @@ def setup_logging(config: EngineConfig, rank: Optional[int] = None) -> None:
         handlers.append(logging.FileHandler(master_file))
     for h in handlers:
         h.setFormatter(fmt)
-        h._computron = True
+        h._computron = True  # our own handlers, found again (and replaced) by a second launch
         root.addHandler(h)
     quiet_third_party(worker=rank is not None)
 

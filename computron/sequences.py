@@ -10,6 +10,7 @@ turning a finished answer into a tensor; no locks (the engine holds its own).
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -93,6 +94,14 @@ async def consume(queue: asyncio.Queue, timeout: Optional[float], what: str):
         if isinstance(item, BaseException):
             raise item
         yield item
+
+
+class Cancelled(enum.Enum):
+    """Where a cancelled sequence was."""
+    ON_WORKERS = "on_workers"
+    """Running: the workers hold its KV cache."""
+    PAUSED = "paused"
+    """Waiting to be recomputed: nothing of it is on the workers."""
 
 
 class TokenBatch:
@@ -213,16 +222,16 @@ class TokenBatch:
         self.to_drop.clear()
         return drop
 
-    def cancel(self, uid: int) -> Optional[str]:
-        """Forget a sequence: 'workers' if the workers still hold it (drop it there: next step, or a Drop
-        command while the model is away), 'paused' if it was waiting for recompute, None if unknown."""
+    def cancel(self, uid: int) -> Optional["Cancelled"]:
+        """Forget a sequence: where it was (``Cancelled``), or None if it is none of this batch's. One the
+        workers still hold is dropped there at the next step (or by a Drop command while the model is away)."""
         if self.running.pop(uid, None) is not None:
             self.to_drop.add(uid)
-            return "workers"
+            return Cancelled.ON_WORKERS
         for req in self.to_recompute:
             if req.uid == uid:
                 self.to_recompute.remove(req)
-                return "paused"
+                return Cancelled.PAUSED
         return None
 
     def take_all(self) -> List[Request]:

@@ -180,7 +180,8 @@ class ShardStore(Store):
         return (self.source is not None and bool(self.host) and not self.resident
                 and not any(s.mutable for s in self.slots))
 
-    def _alloc_host(self) -> Dict[torch.dtype, torch.Tensor]:
+    def alloc_host(self) -> Dict[torch.dtype, torch.Tensor]:
+        """Fresh host buffers of this shard's size, one per dtype (from the host pool when there is one)."""
         if self.host_pool is not None:
             return {dt: self.host_pool.take(dt, n) for dt, n in self.host_numels.items()}
         return {dt: pinned_empty(n, dt) if self.cuda else torch.empty(n, dtype=dt)
@@ -197,7 +198,7 @@ class ShardStore(Store):
     def read_host(self) -> Tuple[float, int]:
         """Read the shard from the checkpoint into host memory now (start-up); (seconds, bytes)."""
         from .slice_reads import read_segments
-        host = self._alloc_host()
+        host = self.alloc_host()
         try:
             dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments)
         except BaseException:
@@ -253,7 +254,7 @@ class ShardStore(Store):
         from .slice_reads import read_segments
         arrived: "queue.Queue" = queue.Queue()
         state = {"error": None}
-        host = self._alloc_host()
+        host = self.alloc_host()
         self.host = host
 
         def read():

@@ -62,7 +62,6 @@ class Groups:
         self.data = dist.new_group(workers, backend=data_backend, timeout=data_timeout)
         self.tp_groups = [dist.new_group(layout.stage_ranks(s), backend=data_backend, timeout=data_timeout)
                           for s in range(layout.pp)]
-        self.is_worker = rank < layout.n_workers
 
     @property
     def stage(self) -> int:

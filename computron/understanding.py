@@ -40,22 +40,9 @@ import torch
 from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
 from .loading import has_tokenizer
-from .validation import POOLINGS
+from .validation import POOLINGS, int_list
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
-
-
-def _int_list(data: Dict[str, Any], key: str) -> List[int]:
-    v = data[key]
-    if isinstance(v, torch.Tensor):
-        if v.dim() == 2 and v.shape[0] == 1:
-            v = v[0]
-        if v.dim() != 1 or v.dtype.is_floating_point or v.dtype == torch.bool:
-            raise PayloadError(f"{key} must be a 1-D integer tensor, got shape {tuple(v.shape)} {v.dtype}", key)
-        return v.tolist()
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise PayloadError(f"{key} must be a list of ints or a 1-D integer tensor", key)
-    return list(v)
 
 
 def _check_int(data: Dict[str, Any], key: str, lo: int = 1) -> None:
@@ -184,7 +171,7 @@ class _TextBatching(BatchManager):
         else:
             if "text_pair" in data:
                 raise PayloadError("text_pair goes with text, not with input_ids", "text_pair")
-            ids = _int_list(data, "input_ids")
+            ids = int_list(data, "input_ids")
             if not ids:
                 raise PayloadError("input_ids is empty", "input_ids")
             if min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
@@ -194,14 +181,14 @@ class _TextBatching(BatchManager):
                 raise PayloadError(f"input_ids has {len(ids)} tokens; the model takes at most {self.max_length}",
                                    "input_ids")
             if "attention_mask" in data:
-                mask = _int_list(data, "attention_mask")
+                mask = int_list(data, "attention_mask")
                 if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
                     raise PayloadError("attention_mask must be 0/1 values of the same length as input_ids",
                                        "attention_mask")
                 if not any(mask):
                     raise PayloadError("attention_mask hides every token", "attention_mask")
             if "token_type_ids" in data:
-                tt = _int_list(data, "token_type_ids")
+                tt = int_list(data, "token_type_ids")
                 if len(tt) != len(ids):
                     raise PayloadError("token_type_ids must have the same length as input_ids", "token_type_ids")
                 if tt and (min(tt) < 0 or (self.type_vocab_size is not None and max(tt) >= self.type_vocab_size)):
@@ -224,9 +211,9 @@ class _TextBatching(BatchManager):
             ids = list(enc["input_ids"])
             return ids, list(enc.get("attention_mask") or [1] * len(ids)), (
                 list(enc["token_type_ids"]) if enc.get("token_type_ids") is not None else None)
-        ids = _int_list(data, "input_ids")
-        mask = _int_list(data, "attention_mask") if "attention_mask" in data else [1] * len(ids)
-        tt = _int_list(data, "token_type_ids") if "token_type_ids" in data else None
+        ids = int_list(data, "input_ids")
+        mask = int_list(data, "attention_mask") if "attention_mask" in data else [1] * len(ids)
+        tt = int_list(data, "token_type_ids") if "token_type_ids" in data else None
         return ids, mask, tt
 
     def _take(self, q: Deque[SubmitEntry]) -> List[Tuple[SubmitEntry, "PreparedText"]]:

@@ -59,7 +59,9 @@ class Engine:
         self._sched = make_scheduler(config, model_configs, workers)  # one batch (or step) in flight per model
         self._lock = threading.RLock()  # re-entered: a reply handler may end in _die
         self._telemetry = Telemetry(config.metrics_history)
-        self._requests = RequestTable(self._batch_managers, config.queue_size, self._telemetry)
+        self._requests = RequestTable(self._batch_managers, {
+            mc.model_id: config.queue_size if mc.queue_size is None else mc.queue_size for mc in model_configs},
+            self._telemetry)
         self._tracker = CommandTracker(self.n_workers, channel)
         token_batches = {}
         if config.step_mode and not paper:

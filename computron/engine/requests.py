@@ -22,11 +22,12 @@ from .telemetry import Telemetry
 
 
 class RequestTable:
-    def __init__(self, batch_managers: Dict[str, Any], queue_size: int, telemetry: Telemetry):
+    def __init__(self, batch_managers: Dict[str, Any], queue_sizes: Dict[str, int], telemetry: Telemetry):
         self._batch_managers = batch_managers
         self.queues: Dict[str, Deque[SubmitEntry]] = {m: deque() for m in batch_managers}
         self.requests: Dict[int, Request] = {}
-        self.queue_size = queue_size
+        self.queue_sizes = queue_sizes
+        """Each model's bound on waiting requests (0: none): the one admission check, engine and server alike."""
         self._telemetry = telemetry
         self._uids = itertools.count()
 
@@ -55,11 +56,12 @@ class RequestTable:
 
     def add(self, model_id: str, data: Any, fut: asyncio.Future, loop: asyncio.AbstractEventLoop,
             stream: Optional[asyncio.Queue]) -> int:
-        """Queue a prepared request; QueueFullError over ``EngineConfig.queue_size``."""
+        """Queue a prepared request; QueueFullError over the model's ``queue_size``."""
         queue = self.queues[model_id]
-        if self.queue_size and len(queue) >= self.queue_size:
+        bound = self.queue_sizes.get(model_id, 0)
+        if bound and len(queue) >= bound:
             raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
-                                 f"(queue_size={self.queue_size})")
+                                 f"(queue_size={bound})")
         uid = next(self._uids)
         self.requests[uid] = Request(uid, model_id, fut, loop, time.perf_counter(), time.time(), stream=stream)
         queue.append(SubmitEntry(uid, data))

@@ -21,7 +21,7 @@ from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
 from ..policies import choose_recompute
 from ..scheduler import Scheduler
-from ..sequences import Request, TokenBatch
+from ..sequences import Cancelled, Request, TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
 from .telemetry import Telemetry
@@ -152,7 +152,7 @@ class TokenLevel:
         where = tb.cancel(req.uid) if tb is not None else None
         if where is None:
             return False
-        if where == "workers" and not self._sched.can_accept_batches(req.model_id):
+        if where is Cancelled.ON_WORKERS and not self._sched.can_accept_batches(req.model_id):
             # the model is away (or leaving) with this sequence parked: no step will come soon
             tb.to_drop.discard(req.uid)
             self._cleanup(req.model_id, lambda seq: msg.Drop(seq, req.model_id, (req.uid,)))

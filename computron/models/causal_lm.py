@@ -95,10 +95,7 @@ class CausalLMRunner(GenerativeRunner):
 
     def batching_defaults(self) -> BatchingDefaults:
         """What a batch manager needs to know about this model's token ids."""
-        c = self.config
-        return BatchingDefaults(pad_token_id=c.pad_token_id if c.pad_token_id is not None else 0,
-                                eos_token_id=c.eos_token_id, vocab_size=c.vocab_size,
-                                max_positions=getattr(c, "max_position_embeddings", None))
+        return BatchingDefaults.from_config(self.config)
 
     # ---- one forward of this stage ------------------------------------------
     def _stage_forward(self, x, attention_mask, position_ids, cache):

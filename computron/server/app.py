@@ -44,15 +44,15 @@ log = logging.getLogger("computron.server")
 
 
 def create_app(engine: EngineClient, texts: Dict[str, ModelText], settings: Optional[ServerSettings] = None,
-               queue_sizes: Optional[Dict[str, int]] = None, max_positions: Optional[Dict[str, int]] = None,
+               max_positions: Optional[Dict[str, int]] = None,
                owns_engine: bool = False, encoders: Optional[Dict[str, UnderstandingModel]] = None) -> FastAPI:
     """The FastAPI app serving ``engine``'s models; ``texts`` maps each causal LM's id to its tokenizer,
-    ``encoders`` each encoder or ViT model's id to its ``UnderstandingModel``; ``queue_sizes`` and
-    ``max_positions`` are per model.
+    ``encoders`` each encoder or ViT model's id to its ``UnderstandingModel``; ``max_positions`` is per
+    model. (Per-model queue bounds are the engine's: ``ModelConfig.queue_size``.)
 
     With ``owns_engine`` the app shuts the engine down when it stops (after uvicorn's graceful drain).
     """
-    state = ServerState(engine, served_models(texts, encoders, queue_sizes, max_positions),
+    state = ServerState(engine, served_models(texts, encoders, max_positions),
                         settings or ServerSettings())
 
     @asynccontextmanager

@@ -150,12 +150,13 @@ def model_configs(cfg: ServeConfig, hf_configs, encoders=None):
             kwargs["dtype"] = m.dtype
         if m.id in encoders:
             out.append(ModelConfig(m.id, load_encoder, kwargs, batch_manager=encoders[m.id].batch_manager,
-                                   checkpoint=m.path))
+                                   checkpoint=m.path, queue_size=m.queue_size))
             continue
         bm = None
         if m.max_batch_size is not None:
             bm = CausalLMBatchManager.for_config(hf_configs[m.id], max_batch_size=m.max_batch_size)
-        out.append(ModelConfig(m.id, load_causal_lm, kwargs, batch_manager=bm, checkpoint=m.path))
+        out.append(ModelConfig(m.id, load_causal_lm, kwargs, batch_manager=bm, checkpoint=m.path,
+                               queue_size=m.queue_size))
     return out
 
 
@@ -205,8 +206,7 @@ async def serve(cfg: ServeConfig, sock, configs, texts, max_positions, encoders=
     except LaunchError as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
-    app = create_app(engine, texts, s, queue_sizes={m.id: m.queue_size for m in cfg.models},
-                     max_positions=max_positions, owns_engine=True, encoders=encoders)
+    app = create_app(engine, texts, s, max_positions=max_positions, owns_engine=True, encoders=encoders)
     state = app.state.computron
 
     def on_signal(sig):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..errors import EngineDeadError, PayloadError, QueueFullError, UnknownModelError
+from ..errors import EngineDeadError, PayloadError, UnknownModelError
 from .config import ServerSettings
 from .engine_client import EngineClient
 from .errors import APIError, V2Error
@@ -52,21 +52,18 @@ class ServedModel:
     """A text generator's tokenizer."""
     understanding: Optional[UnderstandingModel] = None
     """An encoder or ViT model's batch manager and v2 metadata."""
-    queue_size: Optional[int] = None
-    """Waiting requests before 429 (the config's per-model ``queue_size``); None: the engine's bound only."""
     max_positions: Optional[int] = None
     """A text generator's positions: the default ``max_tokens`` fits in them."""
 
 
 def served_models(texts: Dict[str, ModelText], encoders: Optional[Dict[str, UnderstandingModel]] = None,
-                  queue_sizes: Optional[Dict[str, int]] = None,
                   max_positions: Optional[Dict[str, int]] = None) -> Dict[str, ServedModel]:
     """The registry of ``create_app``'s arguments: text generators first, then encoders."""
-    queue_sizes, max_positions = queue_sizes or {}, max_positions or {}
-    models = {m: ServedModel(m, t.path, ModelKind.GENERATION, text=t, queue_size=queue_sizes.get(m) or None,
-                             max_positions=max_positions.get(m)) for m, t in texts.items()}
+    max_positions = max_positions or {}
+    models = {m: ServedModel(m, t.path, ModelKind.GENERATION, text=t, max_positions=max_positions.get(m))
+              for m, t in texts.items()}
     for m, e in (encoders or {}).items():
-        models[m] = ServedModel(m, e.path, e.kind, understanding=e, queue_size=queue_sizes.get(m) or None)
+        models[m] = ServedModel(m, e.path, e.kind, understanding=e)
     return models
 
 
@@ -113,14 +110,9 @@ class ServerState:
             raise EngineDeadError(self.engine.dead_reason or "engine is dead")
 
     def admit(self, model: ServedModel) -> None:
-        """``check_serving``, then 429 when ``model``'s queue is full."""
+        """``check_serving``. (A full queue is the engine's to refuse: ``ModelConfig.queue_size`` carries
+        the config's per-model bound, and its QueueFullError answers 429.)"""
         self.check_serving()
-        # Admission (review M12): the config's per-model queue_size is checked here and nowhere else.
-        if model.queue_size:
-            waiting = self.engine.snapshot().models[model.id].waiting
-            if waiting >= model.queue_size:
-                raise QueueFullError(f"model {model.id!r} already has {waiting} waiting requests "
-                                     f"(queue_size={model.queue_size})")
 
     async def submit_rows(self, request: Request, model_id: str, rows: List[Dict[str, Any]]) -> List[Any]:
         """One engine request per row, all in flight together (the batch manager batches them); a failure
