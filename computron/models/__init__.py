@@ -6,15 +6,29 @@ a BERT/RoBERTa-style encoder or ViT with any task head (``EncoderRunner``,
 found through the family registry of ``registry.py``), an ``nn.Sequential``
 (``SequentialRunner``), or any other module (``ModuleRunner``, no pipeline split).
 """
-from .base import StageContext, StageRunner, uniform_split
-from .causal_lm import CausalLMRunner, causal_lm_family
-from .encoder import EncoderRunner
-from .generic import ModuleRunner
-from .registry import FAMILIES, encoder_family, family_of
-from .sequential import SequentialRunner
+import importlib
+
+_WHERE = {"StageContext": "base", "StageRunner": "base", "GenerativeRunner": "base", "uniform_split": "base",
+          "CausalLMRunner": "causal_lm", "causal_lm_family": "causal_lm", "EncoderRunner": "encoder",
+          "ModuleRunner": "generic", "SequentialRunner": "sequential", "FAMILIES": "registry",
+          "encoder_family": "registry", "family_of": "registry"}
+"""Names imported on first use: ``computron.models.registry`` is read (for the served model types)
+without importing torch and the runners."""
 
 
-def make_runner(module, model_config, ctx: StageContext) -> StageRunner:
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+
+
+def make_runner(module, model_config, ctx):
+    """The runner of ``module``'s kind, holding this rank's shard of it."""
+    from .causal_lm import CausalLMRunner, causal_lm_family
+    from .encoder import EncoderRunner
+    from .generic import ModuleRunner
+    from .registry import encoder_family
+    from .sequential import SequentialRunner
     if ctx.pp > 1 and not model_config.pipelinable:
         raise ValueError(f"model {model_config.model_id!r} has pipelinable=False but pp_world_size={ctx.pp}")
     if causal_lm_family(module) is not None:
@@ -27,6 +41,4 @@ def make_runner(module, model_config, ctx: StageContext) -> StageRunner:
     return ModuleRunner(module, model_config, ctx)
 
 
-__all__ = ["StageContext", "StageRunner", "make_runner", "uniform_split", "CausalLMRunner",
-           "SequentialRunner", "ModuleRunner", "causal_lm_family", "EncoderRunner", "FAMILIES", "encoder_family",
-           "family_of"]
+__all__ = ["make_runner", *_WHERE]

@@ -20,11 +20,12 @@ the server (which checkpoints are encoders).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
-from torch import nn
+if TYPE_CHECKING:  # the table itself imports no torch: a YAML config is checked against it without one
+    from torch import nn
 
-from .base import StageContext, parallelize
+    from .base import StageContext
 
 ENCODER, CAUSAL_LM = "encoder", "causal_lm"
 
@@ -114,7 +115,7 @@ def family_of(module) -> Optional[Family]:
     """The family entry of a transformers model, or None (not a transformers model, or not listed)."""
     config = getattr(module, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type is None or not isinstance(module, nn.Module):
+    if model_type is None or not hasattr(module, "get_submodule"):
         return None
     return _BY_TYPE.get(model_type)
 
@@ -125,7 +126,7 @@ def encoder_family(module) -> Optional[Family]:
     if fam is None or fam.runner != ENCODER:
         return None
     base = getattr(module, "base_model", None)
-    if not isinstance(base, nn.Module) or not has_submodule(base, fam.layers) or \
+    if not hasattr(base, "get_submodule") or not has_submodule(base, fam.layers) or \
             not has_submodule(base, fam.embeddings):
         return None
     return fam
@@ -140,7 +141,7 @@ def decoder_family(module) -> Optional[Family]:
     return fam if fam is not None and fam.runner == CAUSAL_LM else None
 
 
-def has_submodule(module: nn.Module, path: str) -> bool:
+def has_submodule(module: "nn.Module", path: str) -> bool:
     """Whether ``module.get_submodule(path)`` finds a module (not None, not a plain attribute)."""
     try:
         module.get_submodule(path)
@@ -164,11 +165,12 @@ def check_tp_divisible(config: Any, fields: Sequence[str], tp: int, model_id: st
             raise ValueError(f"model {model_id!r}: {what} divisible by tp_world_size={tp}")
 
 
-def shard_layers(layers: Sequence[nn.Module], family: Family, plan: dict, ctx: StageContext, config,
+def shard_layers(layers: Sequence["nn.Module"], family: Family, plan: dict, ctx: "StageContext", config,
                  what: str = "layer") -> None:
     """Split each of ``layers`` by the TP ``plan`` and divide the family's head counts and widths by the TP
     size. A layer that lacks a module the plan names fails (``parallelize_module`` would only warn, and
     the shards would not add up); ``what`` names the layer in that message."""
+    from .base import parallelize
     for layer in layers:
         missing = [p for p in plan if not has_submodule(layer, p)]
         if missing:

@@ -113,8 +113,8 @@ TASKS = ("embedding", "classification")
 
 def encoder_model_types() -> set:
     """transformers ``model_type`` values served by the encoder runner (bert, roberta, xlm-roberta, vit)."""
-    from ..models.registry import FAMILIES
-    return {t for f in FAMILIES if f.runner == "encoder" for t in f.model_types}
+    from ..models.registry import ENCODER, model_types
+    return set(model_types(ENCODER))
 
 
 def checkpoint_info(path: str) -> Dict[str, Any]:

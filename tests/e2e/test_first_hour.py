@@ -233,9 +233,10 @@ def test_launch_inside_a_running_loop_warns(caplog):
 
 @pytest.mark.timeout(120)
 def test_cli_help_imports_neither_torch_nor_transformers():
-    """`computron --help` answers at once: the CLI's import path is lazy, and the package's names still
-    import on first use."""
+    """`computron --help` answers at once: the CLI's import path is lazy (checking a config against the
+    family table included), and the package's names still import on first use."""
     check = ("import sys, computron, computron.server, computron.server.cli; "
+             "from computron.server.config import encoder_model_types; assert 'vit' in encoder_model_types(); "
              "heavy = [m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules]; "
              "assert not heavy, heavy; assert computron.__version__; "
              "from computron import LaunchEngine, EngineConfig, PayloadError; "
