@@ -1,7 +1,11 @@
+"""What every runner is: ``StageContext`` (this rank's place: stage, TP rank, groups, device),
+``StageRunner`` (a model's shard on one rank, its segments in execution order, a forward over a batch) and
+``GenerativeRunner`` (token-level generation: steps, parking and dropping sequences, KV accounting), plus
+the two splitting helpers every runner uses (``uniform_split`` for pipeline stages, ``parallelize`` for
+TP plans)."""
 from __future__ import annotations
 
 import abc
-
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional
 

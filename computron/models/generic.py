@@ -1,3 +1,5 @@
+"""Any other module: served whole on every rank (no pipeline split), its forward called with each
+request as the batch manager makes it; under TP>1 split only by ``ModelConfig.tp_plan``."""
 from __future__ import annotations
 
 import logging

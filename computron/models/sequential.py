@@ -1,3 +1,5 @@
+"""An ``nn.Sequential`` split by pipeline stage (contiguous layers) and by TP (each Linear pair made
+column- then row-parallel where only element-wise modules sit between them)."""
 from __future__ import annotations
 
 from typing import Any, Optional
