@@ -17,6 +17,13 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
+def text(browser, selector: str) -> str:
+    """The rendered text of the element ``selector`` finds, read in one script call: the page redraws its
+    rows as it polls, so an element found by one WebDriver call may be gone by the next."""
+    return browser.execute_script("const e = document.querySelector(arguments[0]); "
+                                  "return e === null ? null : e.innerText.trim();", selector)
+
+
 @pytest.fixture
 def browser(tmp_path):
     if not os.path.exists(CHROMIUM):
@@ -44,11 +51,13 @@ def test_status_page_shows_models_and_a_swap_in_the_timeline(browser, tmp_path):
     srv = ServerProcess(str(tmp_path), ckpts, engine={"max_loaded": 1})
     try:
         browser.get(srv.url + "/")
-        wait = WebDriverWait(browser, 60)
+        from selenium.common.exceptions import StaleElementReferenceException
+        wait = WebDriverWait(browser, 60, ignored_exceptions=(StaleElementReferenceException,))  # redrawn rows
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.model-row")) == 3)
-        rows = {r.get_attribute("data-model"): r for r in browser.find_elements(By.CSS_SELECTOR, "tr.model-row")}
-        assert set(rows) == {"m0", "m1", "m2"}
-        assert all(r.find_element(By.CSS_SELECTOR, ".state").text == "host" for r in rows.values())
+        models = browser.execute_script(
+            "return [...document.querySelectorAll('tr.model-row')].map(r => r.dataset.model)")
+        assert set(models) == {"m0", "m1", "m2"}
+        assert all(text(browser, f"tr[data-model='{m}'] .state") == "host" for m in models)
         assert browser.find_element(By.ID, "engine-state").text == "serving"
         for m in ("m0", "m1", "m2", "m0"):  # max_loaded=1: every request swaps
             r = httpx.post(srv.url + "/v1/completions", json={"model": m, "prompt": "hello", "max_tokens": 4,
@@ -59,11 +68,11 @@ def test_status_page_shows_models_and_a_swap_in_the_timeline(browser, tmp_path):
             By.CSS_SELECTOR, "#lanes .ev-load")} == {"m0", "m1", "m2"})
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#lanes .ev-offload[data-model='m1']"))
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#lanes .ev-step, #lanes .ev-batch"))
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "tr[data-model='m0'] .state").text == "resident")
-        last_load = browser.find_element(By.CSS_SELECTOR, "tr[data-model='m0'] .last-load").text
+        wait.until(lambda d: text(d, "tr[data-model='m0'] .state") == "resident")
+        last_load = text(browser, "tr[data-model='m0'] .last-load")
         assert "GB/s" in last_load and "ms" in last_load, last_load
-        assert browser.find_element(By.CSS_SELECTOR, "tr[data-model='m1'] .state").text == "host"
-        assert "never" not in browser.find_element(By.CSS_SELECTOR, "tr[data-model='m1'] .last-offload").text
+        assert text(browser, "tr[data-model='m1'] .state") == "host"
+        assert "never" not in text(browser, "tr[data-model='m1'] .last-offload")
         assert browser.find_elements(By.CSS_SELECTOR, "#swaps .swap-line[data-kind='load']")
         shot = tmp_path / "status_page.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 1000
