@@ -383,3 +383,21 @@ def test_llm_sim_refuses_an_empty_trace(monkeypatch, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "drew 0 requests" in err and knob in err, err
+
+
+def test_burst_and_preparation_benchmarks_cpu_paths(tmp_path):
+    """benchmarks/burst.py and benchmarks/preparation.py at tiny sizes: both modes answer the whole burst, and
+    the preparation run measures steps and heartbeats during its burst."""
+    burst = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "burst.py"), "--requests", "8",
+                            "--models", "2", "--tp", "1"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert burst.returncode == 0, burst.stderr[-4000:]
+    line = json.loads(burst.stdout.strip().splitlines()[-1])
+    assert line["token"]["requests"] == line["request"]["requests"] == 8
+    assert line["token"]["errors"] == line["request"]["errors"] == 0
+    assert line["requests_per_s_ratio"] > 0 and line["token"]["swaps"] > 0
+    prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "preparation.py"), "--burst", "8",
+                           "--chars", "300", "--lm-tokens", "400", "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=280)
+    assert prep.returncode == 0, prep.stderr[-4000:]
+    line = json.loads(prep.stdout.strip().splitlines()[-1])
+    assert line["quiet_step_gap_ms_p50"] is not None and line["master_ms_per_step"] > 0
