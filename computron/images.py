@@ -160,4 +160,4 @@ class ImageClassificationBatchManager(BatchManager):
                 for i, uid in enumerate(task_entry.uids)]
 
 
-__all__ = ["TextClassificationBatchManager", "EmbeddingBatchManager", "ImageClassificationBatchManager"]
+__all__ = ["PreparedImage", "ImageClassificationBatchManager"]

@@ -359,3 +359,6 @@ class EmbeddingBatchManager(_TextBatching):
 
 
 from .images import ImageClassificationBatchManager  # noqa: E402 - the image manager's old home
+
+__all__ = ["PreparedText", "TextClassificationBatchManager", "EmbeddingBatchManager",
+           "ImageClassificationBatchManager"]
