@@ -90,7 +90,7 @@ class Engine:
         self._liveness.start(self._check_liveness, self._stopped)
         return self
 
-    def _batching_info(self, model_id: str) -> Optional[dict]:
+    def _batching_info(self, model_id: str) -> Optional[msg.BatchingDefaults]:
         return next((w.batching[model_id] for w in self.workers.values() if model_id in w.batching), None)
 
     # ---- public API ----------------------------------------------------------
