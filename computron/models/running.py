@@ -6,8 +6,8 @@ sequence (``[batch, heads, length, head_dim]``). Sequences join in the same
 forward that decodes the running ones (``step_inputs``, then ``joined``, which
 compacts the padding that leaves) and leave by row selection, after which
 columns that are padding in every row are cut off. Every rank applies the same
-operations in the same order, so their batches stay identical in shape; only the output rank holds
-the per-sequence random generators.
+operations in the same order, so their batches stay identical in shape; only the
+output rank holds the per-sequence random generators.
 """
 from __future__ import annotations
 
