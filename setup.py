@@ -12,7 +12,7 @@ setup(
                       "fastapi", "uvicorn", "prometheus_client", "pillow"],
     extras_require={
         "experiments": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "psutil", "openai", "httpx", "selenium"],
+        "test": ["pytest", "pytest-timeout", "psutil", "openai", "httpx", "selenium", "tritonclient[http]"],
         "launcher": ["psutil", "click", "fabric"],
     },
 )

@@ -52,4 +52,4 @@ def make_scheduler(config: EngineConfig, model_configs: List[ModelConfig],
                      quantum_s=config.quantum_ms / 1e3, ttft_slo_s=config.ttft_slo_s,
                      sizes=model_sizes(config, workers), device_budget=device_budget(config, workers),
                      pinned=[mc.model_id for mc in model_configs if mc.pinned],
-                     priority={mc.model_id: mc.priority for mc in model_configs})
+                     priority={mc.model_id: mc.priority for mc in model_configs}, eviction=config.eviction)

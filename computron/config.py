@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
+from .eviction import EVICTIONS
 from .policies import POLICIES
 
 _BACKENDS = ("gloo", "nccl")
@@ -84,6 +85,11 @@ class EngineConfig:
     device_budget: Optional[float] = None
     """Bytes of device memory per rank for model shards and KV caches (an int), or a fraction in (0, 1] of
     the device's memory; None: no byte budget (max_loaded alone bounds residency)."""
+    eviction: str = "lru"
+    """Which idle resident model leaves first when another must load: 'lru' (the least recently used) or
+    'cost' (the one whose eviction is expected to cost least: its reload seconds, measured or estimated from
+    its bytes, times its recent request rate; GreedyDual aging, see ``computron/eviction.py``). Pinned models
+    never leave and a lower ``ModelConfig.priority`` leaves first under either."""
     kv_reserve: float = 0.1
     """Part of a model's device footprint reserved for its KV cache, as a fraction of its shard bytes."""
     host_budget: Optional[int] = None
@@ -134,6 +140,8 @@ class EngineConfig:
                 _fail(c, name, v, "must be a positive number of seconds")
         if self.policy not in POLICIES:
             _fail(c, "policy", self.policy, f"must be one of {POLICIES}")
+        if self.eviction not in EVICTIONS:
+            _fail(c, "eviction", self.eviction, f"must be one of {EVICTIONS}")
         if self.kv_swap not in ("auto", "offload", "recompute"):
             _fail(c, "kv_swap", self.kv_swap, "must be 'auto', 'offload' or 'recompute'")
         for name in ("quantum_ms", "ttft_slo_s"):
@@ -228,9 +236,11 @@ class ModelConfig:
         return replace(self, batch_manager=None)
 
 
-def check_model_configs(model_configs: Iterable[ModelConfig]) -> list:
+def check_model_configs(model_configs: Iterable[ModelConfig], allow_empty: bool = False) -> list:
+    """The configs as a list, or ValueError; ``allow_empty`` lets an engine start with no model (models can
+    be added while it serves: ``Engine.add_model``)."""
     configs = list(model_configs)
-    if not configs:
+    if not configs and not allow_empty:
         raise ValueError("model_configs: at least one ModelConfig is needed")
     seen = set()
     for mc in configs:

@@ -61,5 +61,15 @@ class EngineDeadError(ComputronError):
     """A worker died or the engine was shut down: no request can be served."""
 
 
+class ModelConflictError(ComputronError, ValueError):
+    """A change to the served models that collides with another: adding an id that is served, or changing
+    one whose add, replace or removal is still under way."""
+
+
+class ModelChangeError(ComputronError):
+    """Adding (or replacing) a model failed on the workers (its build raised on some rank, or it cannot
+    fit the device budget); the engine keeps serving the other models. The message names the rank."""
+
+
 class LaunchError(ComputronError):
     """A worker failed to start; the message holds its traceback."""

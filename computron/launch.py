@@ -54,7 +54,7 @@ def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], 
     """
     if not isinstance(engine_config, EngineConfig):
         raise ValueError(f"engine_config: expected EngineConfig, got {type(engine_config).__name__}")
-    configs = check_model_configs(model_configs)
+    configs = check_model_configs(model_configs, allow_empty=True)  # models may be added while serving
     check_world(tp_world_size, pp_world_size, n_nodes, node_rank)
     if mp.current_process().name.startswith("computron-worker"):
         raise RuntimeError("LaunchEngine ran again inside a worker process, which imports the main module: "

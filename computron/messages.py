@@ -4,11 +4,12 @@ Commands go from the master to every worker at once, in one total order that
 all workers see; replies go from a worker back to the master. Every command
 carries a ``seq`` so replies can be matched to it, and each has one reply type
 (``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
-``RunBatch`` -> ``BatchDone``, ``Step`` -> ``StepDone``, ``QueryStats`` ->
-``Stats``), or ``CommandFailed`` from any of them. The worker dispatches on the
-command's type. The replies that complete a model's command are ``CommandDone``s
-(command, rank, start and end); ``StepDone`` and ``Offloaded`` also carry what
-the runner returned (``StepResult``, ``ParkResult``).
+``RunBatch`` -> ``BatchDone``, ``Step`` -> ``StepDone``, ``AddModel`` ->
+``ModelAdded``, ``RemoveModel`` -> ``ModelRemoved``, ``QueryStats`` -> ``Stats``),
+or ``CommandFailed`` from any of them. The worker dispatches on the command's type.
+The replies that complete a model's command are ``CommandDone``s (command, rank,
+start and end); ``StepDone`` and ``Offloaded`` also carry what the runner
+returned (``StepResult``, ``ParkResult``).
 """
 from __future__ import annotations
 
@@ -75,6 +76,27 @@ class Step:
     model_id: str
     admit: Tuple[SeqSpec, ...] = ()
     drop: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AddModel:
+    """Build this rank's shard of a model while serving. The build runs beside the command loop (other
+    models keep stepping); the reply comes when the shard is ready, and no command names the model before
+    every rank has answered. ``config`` is a ``ModelConfig.for_workers()``."""
+    seq: int
+    config: Any
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_id
+
+
+@dataclass(frozen=True)
+class RemoveModel:
+    """Forget a model: its weights leave the device if they are there, its host buffers and KV caches
+    (running or parked) are freed. A rank that does not hold it (its build failed) answers all the same."""
+    seq: int
+    model_id: str
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,26 @@ class Loaded(CommandDone):
     """Bytes this load read from disk (this rank's shard; 0 from host)."""
     host_resident: Optional[Tuple[str, ...]] = None
     """The models whose shard this rank holds in host memory after this load (None: not reported)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelAdded(CommandDone):
+    """The answer to ``AddModel``: this rank's shard is built (and read into host memory if its budget
+    allowed)."""
+    host_bytes: int
+    """This rank's shard bytes (the device budget's unit)."""
+    batching: Optional[BatchingDefaults] = None
+    """A generative model's token ids (what ``WorkerReady.batching`` says of start-up models)."""
+    host_resident: Tuple[str, ...] = ()
+    """The models whose shard this rank holds in host memory now."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRemoved(CommandDone):
+    """The answer to ``RemoveModel``: what this rank holds after the model left."""
+    device_bytes: int
+    host_bytes: int
+    host_resident: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

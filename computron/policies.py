@@ -1,4 +1,7 @@
-"""The token-level policies and the recompute choice: pure rules, no torch, no processes.
+"""The scheduler's vocabulary, the token-level policies and the recompute choice: pure, no torch, no processes.
+
+``ModelState``, ``ActionKind``, ``Reason`` and ``Action`` are what the scheduler (``scheduler.py``,
+which re-exports them) decides and tracks.
 
 ``Policy`` names the rule that decides when a waiting model may take the slot of one with live
 sequences (``RunToCompletion``, ``Quantum``, ``Deadline``; ``POLICY_RULES`` maps each name to its
@@ -8,7 +11,48 @@ sequences whose KV cache is cheaper to rebuild than to copy to host memory and b
 from __future__ import annotations
 
 import enum
-from typing import Mapping, Set
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Set
+
+
+class ModelState(enum.Enum):
+    OFFLOADED = "offloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    OFFLOADING = "offloading"
+
+
+class ActionKind(enum.Enum):
+    LOAD = "load"
+    OFFLOAD = "offload"
+    RUN = "run"
+
+
+class Reason(enum.Enum):
+    """Why a decision was taken (for the log, the timeline and the engine's preemption glue)."""
+    SERVE = "serve"
+    """RUN: the model has work; LOAD: its oldest request waits for it."""
+    EVICT_IDLE = "evict_idle"
+    """OFFLOAD: an idle model (the first in eviction order) makes room."""
+    DRAIN = "drain"
+    """OFFLOAD queued behind the model's last batch (prefetch): its queue is empty."""
+    PREEMPT = "preempt"
+    """OFFLOAD of a model with live sequences whose turn is over under the policy: they pause."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decision: what to send for which model, and why (``reason``; ``for_model``: the model an
+    offload makes room for). Two actions are equal when kind and model are."""
+    kind: ActionKind
+    model_id: str
+    reason: Reason = field(default=Reason.SERVE, compare=False)
+    for_model: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def preempts(self) -> bool:
+        return self.reason is Reason.PREEMPT
+
 
 MIN_TURN_STEPS = 4
 """A model is preempted only after this many steps since it loaded, however short the quantum."""

@@ -67,6 +67,15 @@ def check(config: EngineConfig, model_configs: Iterable[ModelConfig], tp: int, p
             _check_picklable(mc)
 
 
+def check_added(mc: ModelConfig, tp: int, pp: int) -> None:
+    """A model added while serving: the same checks, and the same one-line errors, as at launch (it always
+    travels to the workers pickled)."""
+    if not isinstance(mc, ModelConfig):
+        raise PreflightError(f"expected a ModelConfig, got {type(mc).__name__}")
+    _check_model(mc, tp, pp)
+    _check_picklable(mc)
+
+
 def _warn_if_in_event_loop() -> None:
     import asyncio
     try:

@@ -12,10 +12,10 @@ Rules:
 - a resident model gets a batch if it has fewer than ``max_inflight`` in flight
   (only one once an older model is waiting for a slot, so it drains);
 - a model that is not resident is loaded into a free slot, or into the slot of
-  the least recently used resident model that has nothing in flight; a model
-  with batches in flight is never offloaded;
-- with ``prefetch``, when every resident model is busy, the least recently
-  used one whose queue is empty gets its offload queued right behind its last
+  a resident model that has nothing in flight (the first in eviction order); a
+  model with batches in flight is never offloaded;
+- with ``prefetch``, when every resident model is busy, the first in eviction
+  order whose queue is empty gets its offload queued right behind its last
   batch and the waiting model's load right behind that, saving a round trip;
 - with ``overlap``, a batch may be sent to a model that is still loading
   (the worker starts each layer once its weights have arrived), but only
@@ -23,9 +23,11 @@ Rules:
   such a batch would hold up other models' batches until the load ends;
 - a model fits when the resident count stays within ``max_loaded`` (None: no
   count cap) and, with a ``device_budget``, the resident models' ``sizes``
-  (bytes per rank, KV reserve included) stay within it; LRU victims are evicted
-  until the waiting model fits; ``pinned`` models are never evicted; a higher
-  ``priority`` is visited first and evicted last;
+  (bytes per rank, KV reserve included) stay within it; idle victims are evicted
+  until the waiting model fits, in the order of the ``eviction`` policy
+  (``eviction.py``: least recently used, or lowest expected reload cost);
+  ``pinned`` models are never evicted; a higher ``priority`` is visited first
+  and evicted last, whatever the eviction policy;
 - a model that has just loaded is not evicted before its first batch;
 - token-level generation (``running``: models with live sequences): such a
   model is never evicted by the rules above. Under the ``quantum`` policy a
@@ -38,63 +40,34 @@ Rules:
   victim's sequences pause, and resume when it is loaded again.
 
 The policies' own rules, and ``choose_recompute``, are in ``policies.py``.
+
+Models may be added and removed while serving (``add_model``, ``remove_model``),
+and pinned or given a priority (``set_pinned``, ``set_priority``); the engine
+reports each admitted request (``note_arrival``) and each measured load
+(``record_load``) for the eviction policy's estimates.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Set
 
-# absolute: the purity check allows no package-relative import here; choose_recompute is re-exported
-from computron.policies import MIN_TURN_STEPS, POLICIES, POLICY_RULES, Policy, choose_recompute  # noqa: F401
+# absolute: the purity check allows no package-relative import here
+from computron.eviction import EVICTIONS, make_eviction
+from computron.policies import (MIN_TURN_STEPS, POLICIES, POLICY_RULES, Action, ActionKind, ModelState, Policy,
+                                Reason, choose_recompute)
 
-
-class ModelState(enum.Enum):
-    OFFLOADED = "offloaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    OFFLOADING = "offloading"
-
-
-class ActionKind(enum.Enum):
-    LOAD = "load"
-    OFFLOAD = "offload"
-    RUN = "run"
-
-
-class Reason(enum.Enum):
-    """Why a decision was taken (for the log, the timeline and the engine's preemption glue)."""
-    SERVE = "serve"
-    """RUN: the model has work; LOAD: its oldest request waits for it."""
-    EVICT_IDLE = "evict_idle"
-    """OFFLOAD: the least recently used idle model makes room."""
-    DRAIN = "drain"
-    """OFFLOAD queued behind the model's last batch (prefetch): its queue is empty."""
-    PREEMPT = "preempt"
-    """OFFLOAD of a model with live sequences whose turn is over under the policy: they pause."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One decision: what to send for which model, and why (``reason``; ``for_model``: the model an
-    offload makes room for). Two actions are equal when kind and model are."""
-    kind: ActionKind
-    model_id: str
-    reason: Reason = field(default=Reason.SERVE, compare=False)
-    for_model: Optional[str] = field(default=None, compare=False)
-
-    @property
-    def preempts(self) -> bool:
-        return self.reason is Reason.PREEMPT
+__all__ = ["Scheduler", "ModelState", "ActionKind", "Reason", "Action", "MIN_TURN_STEPS", "POLICIES", "EVICTIONS",
+           "Policy", "choose_recompute"]
 
 
 _RESIDENT = (ModelState.LOADING, ModelState.LOADED, ModelState.OFFLOADING)
+
+
 class Scheduler:
     def __init__(self, model_ids: Iterable[str], max_loaded: Optional[int], *, prefetch: bool = False,
                  overlap: bool = False, max_inflight: int = 2, policy: str = "run_to_completion",
                  quantum_s: float = 0.2, ttft_slo_s: float = 1.0, sizes: Optional[Mapping[str, int]] = None,
                  device_budget: Optional[int] = None, pinned: Iterable[str] = (),
-                 priority: Optional[Mapping[str, int]] = None):
+                 priority: Optional[Mapping[str, int]] = None, eviction: str = "lru"):
         self.model_ids = list(model_ids)
         self._order = {m: i for i, m in enumerate(self.model_ids)}  # ties between equal heads
         if len(set(self.model_ids)) != len(self.model_ids):
@@ -127,8 +100,12 @@ class Scheduler:
                                              for m, b in too_big.items()))
         self.states: Dict[str, ModelState] = {m: ModelState.OFFLOADED for m in self.model_ids}
         self.inflight: Dict[str, int] = {m: 0 for m in self.model_ids}
-        self._last_used: Dict[str, int] = {m: -1 for m in self.model_ids}
-        self._clock = 0
+        self._eviction = make_eviction(eviction, self.sizes)
+        self.eviction = eviction
+        for m in self.model_ids:
+            self._eviction.add(m)
+        self._now: Optional[float] = None
+        """The latest caller's clock seen (``decide``'s ``now``, arrivals), for the eviction policy."""
         # victim -> model whose load waits for the victim's slot
         self._slot_promised: Dict[str, str] = {}
         # models whose OFFLOAD is already queued behind their in-flight batches
@@ -141,7 +118,12 @@ class Scheduler:
         """Loaded models that have had no batch since: not evicted before their first."""
 
     # ---- queries -------------------------------------------------------------
+    def _known(self, m: str) -> None:
+        if m not in self.states:
+            raise KeyError(f"unknown model id {m!r} (known: {self.model_ids})")
+
     def state(self, model_id: str) -> ModelState:
+        self._known(model_id)
         return self.states[model_id]
 
     def resident(self) -> List[str]:
@@ -159,8 +141,7 @@ class Scheduler:
         return True
 
     def _touch(self, model_id: str) -> None:
-        self._clock += 1
-        self._last_used[model_id] = self._clock
+        self._eviction.touch(model_id, self._now)
 
     def _runnable(self, m: str) -> bool:
         s = self.states[m]
@@ -172,8 +153,17 @@ class Scheduler:
         """A batch may follow ``m``'s load directly only if no other model is (staying) resident."""
         return self.overlap and all(v == m or v in self._offload_queued for v in self.resident())
 
-    def _lru(self, candidates: List[str]) -> Optional[str]:
-        return min(candidates, key=lambda m: (self.priority[m], self._last_used[m])) if candidates else None
+    def _victim(self, candidates: List[str]) -> Optional[str]:
+        """The candidate to evict first: the lowest priority, then the eviction policy's order."""
+        return min(candidates, key=lambda m: (self.priority[m],) + self._eviction.key(m)) if candidates else None
+
+    def _spare(self, m: str, victims: List[str], leaving: Set[str]) -> None:
+        """Keep victims that ``m`` turns out not to need (a later, bigger one made the room), most
+        valuable first."""
+        for v in sorted(victims[:-1], key=lambda v: (self.priority[v],) + self._eviction.key(v), reverse=True):
+            if self._fits(m, leaving - {v}):
+                victims.remove(v)
+                leaving.discard(v)
 
     def _starving(self, m: str, heads: Mapping[str, float], now: Optional[float]) -> bool:
         return now is not None and self.rules.starving(now - heads[m])
@@ -208,6 +198,8 @@ class Scheduler:
         unknown = [m for m in heads if m not in self.states]
         if unknown:
             raise KeyError(f"unknown model ids in heads: {unknown}")
+        if now is not None:
+            self._now = now if self._now is None else max(self._now, now)
         actions: List[Action] = []
         waiting_for_slot = False
         order = sorted(heads, key=lambda k: (not self._starving(k, heads, now), -self.priority[k], heads[k],
@@ -237,20 +229,23 @@ class Scheduler:
                     del self._slot_promised[v]
                 actions.extend(self._start_load(m, heads, now))
                 continue
-            # evict idle models, least recently used first, until m fits
+            # evict idle models, first in eviction order first, until m fits
             leaving, victims = set(), []
             idle = [v for v in self.model_ids if self.states[v] is ModelState.LOADED and self.inflight[v] == 0
                     and v not in self._offload_queued and v not in running and v not in self.pinned
                     and not (v in self._unserved and v in heads)]
             while idle and not self._fits(m, leaving):
-                v = self._lru(idle)
+                v = self._victim(idle)
                 idle.remove(v)
                 victims.append(v)
                 leaving.add(v)
+            if getattr(self._eviction, "spare", False):
+                self._spare(m, victims, leaving)
             if victims and self._fits(m, leaving):
                 for v in victims:
                     self.states[v] = ModelState.OFFLOADING
                     self._slot_promised[v] = m
+                    self._eviction.evicted(v)
                     actions.append(Action(ActionKind.OFFLOAD, v, Reason.EVICT_IDLE, m))
                 waiting_for_slot = True
                 continue
@@ -267,7 +262,7 @@ class Scheduler:
                                  (preemptible, Reason.PREEMPT)):
                 pool = [v for v in pool if v not in queued]
                 while pool and not self._fits(m, gone | set(queued)):
-                    v = self._lru(pool)
+                    v = self._victim(pool)
                     pool.remove(v)
                     queued[v] = reason
             if queued and self._fits(m, gone | set(queued)):
@@ -276,6 +271,7 @@ class Scheduler:
                         self._offload_queued.add(v)  # OFFLOADING once its last batch is answered
                     else:
                         self.states[v] = ModelState.OFFLOADING
+                    self._eviction.evicted(v)
                     actions.append(Action(ActionKind.OFFLOAD, v, reason, m))
                 actions.extend(self._start_load(m, heads, now))
                 continue
@@ -298,6 +294,7 @@ class Scheduler:
 
     # ---- events --------------------------------------------------------------
     def _expect(self, m: str, *states: ModelState) -> None:
+        self._known(m)
         if self.states[m] not in states:
             raise RuntimeError(f"model {m!r} is {self.states[m].value}, expected "
                                f"{'/'.join(s.value for s in states)}")
@@ -326,6 +323,7 @@ class Scheduler:
         self._turn_runs.pop(m, None)
 
     def on_batch_done(self, m: str) -> None:
+        self._known(m)
         if self.inflight[m] <= 0:
             raise RuntimeError(f"model {m!r} has no batch in flight")
         self.inflight[m] -= 1
@@ -333,11 +331,84 @@ class Scheduler:
             self.states[m] = ModelState.OFFLOADING
 
     def can_accept_batches(self, m: str) -> bool:
+        self._known(m)
         return self._runnable(m)
 
     def in_flight(self, m: str) -> int:
         """Batches (steps) of ``m`` sent and not yet answered."""
+        self._known(m)
         return self.inflight[m]
 
     def is_pinned(self, m: str) -> bool:
+        self._known(m)
         return m in self.pinned
+
+    def note_arrival(self, m: str, now: float) -> None:
+        """A request for ``m`` was admitted at ``now`` (time.perf_counter()): the recent request rate."""
+        self._known(m)
+        self._now = now if self._now is None else max(self._now, now)
+        self._eviction.note_arrival(m, now)
+
+    def record_load(self, m: str, seconds: float, nbytes: int) -> None:
+        """``m`` loaded in ``seconds`` (slowest rank), ``nbytes`` over all ranks: the reload cost estimate.
+        Bandwidths are kept in the scheduler's own unit (``sizes``, bytes per rank), so that a model not
+        yet measured is estimated from its size; ``nbytes`` stands in only for a model without a size."""
+        self._known(m)
+        if seconds < 0 or nbytes < 0:
+            raise ValueError(f"record_load({m!r}, seconds={seconds}, nbytes={nbytes}): must be >= 0")
+        self._eviction.record_load(m, seconds, self.sizes[m] or nbytes)
+
+    # ---- models changing while serving ----------------------------------------
+    def add_model(self, m: str, size: int = 0, *, pinned: bool = False, priority: int = 0) -> None:
+        """A new model, OFFLOADED; ``size``: its bytes per rank (KV reserve included) for the device budget.
+        Among equal heads it comes after every model already known."""
+        if m in self.states:
+            raise ValueError(f"model id {m!r} is already known")
+        size = int(size)
+        if size < 0:
+            raise ValueError(f"model {m!r}: size={size} must be >= 0")
+        if self.device_budget is not None and size > self.device_budget:
+            raise ValueError(f"device_budget={self.device_budget} bytes per rank cannot hold "
+                             f"model {m!r} ({size} bytes per rank with its KV reserve)")
+        self._order[m] = max(self._order.values(), default=-1) + 1
+        self.model_ids.append(m)
+        self.states[m] = ModelState.OFFLOADED
+        self.inflight[m] = 0
+        self.sizes[m] = size
+        self.priority[m] = int(priority)
+        if pinned:
+            self.pinned.add(m)
+        self._eviction.add(m)
+
+    def remove_model(self, m: str) -> None:
+        """Forget ``m``: it must be offloaded, or loaded with nothing in flight and no offload queued. A
+        loaded model's slot is free at once: the engine sends the command that frees its memory before
+        any later load (workers run commands in order). A load promised ``m``'s victims' slots is dropped."""
+        self._known(m)
+        state = self.states[m]
+        queued = m in self._offload_queued and state is ModelState.LOADED
+        busy = " and ".join(([f"{self.inflight[m]} batches in flight"] if self.inflight[m] else [])
+                            + (["its offload queued"] if queued else []))
+        if state not in (ModelState.OFFLOADED, ModelState.LOADED) or busy:
+            raise RuntimeError(f"model {m!r} is {state.value}{' with ' + busy if busy else ''}: it can be "
+                               "removed once offloaded, or loaded with nothing in flight")
+        for v in [v for v, w in self._slot_promised.items() if w == m]:
+            del self._slot_promised[v]
+        self._slot_promised.pop(m, None)
+        for d in (self.states, self.inflight, self.sizes, self.priority, self._order, self._turn_start,
+                  self._turn_runs):
+            d.pop(m, None)
+        for s in (self.pinned, self._offload_queued, self._unserved):
+            s.discard(m)
+        self.model_ids.remove(m)
+        self._eviction.remove(m)
+
+    def set_pinned(self, m: str, pinned: bool) -> None:
+        """Pin ``m`` (never evicted once loaded) or unpin it."""
+        self._known(m)
+        (self.pinned.add if pinned else self.pinned.discard)(m)
+
+    def set_priority(self, m: str, n: int) -> None:
+        """``m``'s priority: a higher one is visited first and evicted last."""
+        self._known(m)
+        self.priority[m] = int(n)

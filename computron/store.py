@@ -93,6 +93,16 @@ class Store(abc.ABC):
         """Let the host copy go; returns the bytes freed."""
         raise RuntimeError(f"{type(self).__name__} keeps its shard in host memory: it has no disk tier")
 
+    def close(self) -> None:
+        """The model is removed: wait for a load in flight, drop the device copy and every host buffer."""
+        try:
+            self.wait_loaded()
+        except RuntimeError:  # a failed load: offload releases what it took
+            pass
+        self.offload()
+        for hook in self._hooks:
+            hook.remove()
+
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._empty:
             self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
@@ -208,6 +218,12 @@ class ShardStore(Store):
         self.host = host
         self.last_read_s, self.last_read_bytes = dt, n
         return dt, n
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._drop_host()
 
     def release_host(self) -> int:
         """Let the host copy go (the disk tier: the next load reads it again); returns the bytes freed."""

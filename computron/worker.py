@@ -1,5 +1,8 @@
 """A worker rank: builds its shard of every model, then executes commands in order.
 
+Models added while serving are built on a thread beside the command loop
+(``shard_builder.BackgroundBuilds``) and removed on the loop itself.
+
 Commands arrive in the same order on every rank. LOAD starts an asynchronous
 copy and returns at once, so batches of other models keep running meanwhile;
 OFFLOAD and RUN execute in the command loop. Each command type has one handler
@@ -23,10 +26,9 @@ from . import messages as msg
 from . import p2p
 from .config import EngineConfig, ModelConfig
 from .memory import DevicePool, HostPool
-from .models import StageContext, make_runner
 from .models.base import GenerativeRunner, ParkResult, StageRunner
-from .paper_store import PaperStore
-from .store import ShardStore, Store
+from .shard_builder import BackgroundBuilds, ShardBuilder
+from .store import Store
 
 log = logging.getLogger("computron.worker")
 
@@ -49,77 +51,51 @@ class Worker:
         self._busy: Optional[tuple] = None  # (seq, since) of the command being executed
         self._stop_heartbeat = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._builder = ShardBuilder(rank, groups, device, engine_config, self.pool, self.copy_stream,
+                                     self.host_pool)
+        self._builds = BackgroundBuilds(rank)
+        self._registry_lock = threading.Lock()
+        """Models added or removed while serving replace ``runners``/``stores``/``model_configs`` with new
+        dicts under this lock (never mutate them): another thread may be iterating over the old ones."""
         self._handlers: Dict[type, Callable[[Any], None]] = {
             msg.Load: self._on_load, msg.Offload: self._on_offload, msg.Drop: self._on_drop,
-            msg.RunBatch: self._on_run, msg.Step: self._on_step, msg.QueryStats: self._on_stats}
+            msg.RunBatch: self._on_run, msg.Step: self._on_step, msg.QueryStats: self._on_stats,
+            msg.AddModel: self._on_add_model, msg.RemoveModel: self._on_remove_model}
         """The command loop's dispatch: one handler per command type (``Shutdown`` ends the loop)."""
 
     # ---- start-up ------------------------------------------------------------
     def build(self) -> None:
-        """Build this rank's shard of every model. A model with a local safetensors checkpoint
-        (``checkpoint.checkpoint_of``) is built on the meta device and only this rank's slices are
-        read, into host memory while ``host_budget`` allows, else left on disk until its first load;
-        any other model is built in full by its ``model_fn`` and cut down."""
+        """Build this rank's shard of every configured model (``shard_builder``), in the same order on
+        every rank, into host memory while ``host_budget`` allows."""
         budget = self.config.host_budget
-        host_used, read_s, read_bytes = 0, 0.0, 0
+        used = {"host": 0}  # models built so far that hold host memory
+        read_s, read_bytes = 0.0, 0
         n = len(self.model_configs)
         t_start = time.perf_counter()
+
+        def room(nbytes: int) -> bool:
+            return budget is None or used["host"] + nbytes <= budget
+
         for k, (mid, mc) in enumerate(self.model_configs.items()):
-            t0 = time.perf_counter()
-            ctx = StageContext(groups=self.groups, device=self.device, model_id=mid)
-            runner, source = self._build_from_checkpoint(mid, mc, ctx)
-            if runner is None:
-                module = mc.model_fn(**mc.model_kwargs)
-                if not isinstance(module, torch.nn.Module):
-                    raise TypeError(f"model {mid!r}: model_fn returned {type(module).__name__}, not a torch.nn.Module")
-                module.eval()
-                runner = make_runner(module, mc, ctx)
-            if self.config.paper_mode:
-                store = PaperStore(runner.module, runner.segments, self.device, mc.mutable_buffers)
-            else:
-                store = ShardStore(runner.module, runner.segments, self.device, pool=self.pool,
-                                   mutable_buffers=mc.mutable_buffers, copy_stream=self.copy_stream,
-                                   source=source, host_pool=self.host_pool, keep_host=False)
-            self.runners[mid] = runner
-            self.stores[mid] = store
-            where = "host"
-            if source is None:
-                host_used += store.nbytes
-            elif budget is None or host_used + store.nbytes <= budget:
-                dt, nb = store.read_host()
-                read_s, read_bytes = read_s + dt, read_bytes + nb
-                host_used += store.nbytes
-                where = f"host, read {nb / 2**20:.1f} MB in {dt:.2f}s = {nb / max(dt, 1e-9) / 1e9:.2f} GB/s"
-            else:
-                where = "disk (beyond host_budget: read on first load)"
-            log.info("rank %d built %s (%d/%d): %.1f MB shard %s in %.2fs [%s]", self.rank, mid, k + 1, n,
-                     store.nbytes / 2**20, "from checkpoint slices" if source is not None else "from model_fn",
-                     time.perf_counter() - t0, where)
+            built = self._builder.build(mid, mc, room)
+            self.runners[mid], self.stores[mid] = built.runner, built.store
+            used["host"] += built.store.nbytes if built.in_host else 0
+            read_s, read_bytes = read_s + built.read_s, read_bytes + built.read_bytes
+            self._log_built(mid, built, f"({k + 1}/{n})")
         if read_bytes:
             log.info("rank %d read %.1f MB of checkpoint slices in %.2fs = %.2f GB/s", self.rank,
                      read_bytes / 2**20, read_s, read_bytes / max(read_s, 1e-9) / 1e9)
         log.info("rank %d built all %d models in %.2fs", self.rank, n, time.perf_counter() - t_start)
-        if budget is not None and host_used > budget:
+        if budget is not None and used["host"] > budget:
             log.warning("rank %d: models without a safetensors checkpoint hold %.1f MB of host memory, over "
-                        "host_budget=%d bytes (they cannot go back to disk)", self.rank, host_used / 2**20, budget)
+                        "host_budget=%d bytes (they cannot go back to disk)", self.rank, used["host"] / 2**20,
+                        budget)
 
-    def _build_from_checkpoint(self, mid: str, mc: ModelConfig, ctx: StageContext):
-        """(runner, source) built from checkpoint slices, or (None, None) to use model_fn."""
-        from . import checkpoint as ck
-        where = ck.checkpoint_of(mc)
-        if where is None or self.config.paper_mode:
-            return None, None
-        path, dtype = where
-        if mc.checkpoint is not None and not os.path.isdir(path):
-            raise FileNotFoundError(f"model {mid!r}: ModelConfig.checkpoint={path!r} is not a directory")
-        try:
-            module, names = ck.meta_model(path, dtype, mid)
-            runner = make_runner(module, mc, ctx)
-            source = ck.CheckpointSource(mid, path, names, runner.module)
-        except ck.Unsupported as exc:
-            log.info("rank %d: %s is read through its model_fn (%s)", self.rank, mid, exc)
-            return None, None
-        return runner, source
+    def _log_built(self, mid: str, built, count: str) -> None:
+        log.info("rank %d built %s %s: %.1f MB shard %s in %.2fs [%s]", self.rank, mid, count,
+                 built.store.nbytes / 2**20,
+                 "from checkpoint slices" if built.from_checkpoint else "from model_fn", built.seconds,
+                 built.where)
 
     def _make_host_room(self, store) -> None:
         """Before a model comes from disk: let least recently used models go back to disk (never one
@@ -228,6 +204,7 @@ class Worker:
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.config.heartbeat_timeout_s)
+        self._builds.close(timeout=self.config.shutdown_grace_s)
         for store in self.stores.values():
             try:
                 store.wait_loaded()
@@ -305,6 +282,58 @@ class Worker:
             runner.drop_sequences(cmd.sids)
         self.channel.reply(msg.Dropped(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
                                        end=time.perf_counter(), kv_bytes=runner.kv_bytes()))
+
+    def _on_add_model(self, cmd: msg.AddModel) -> None:
+        mid, mc = cmd.model_id, cmd.config
+        if mid in self.stores:
+            raise ValueError(f"model {mid!r} is already served on rank {self.rank}")
+
+        def room(nbytes: int) -> bool:
+            budget = self.config.host_budget
+            return budget is None or sum(s.host_bytes() for s in self.stores.values()) + nbytes <= budget
+
+        def build() -> None:  # on the build thread
+            t0 = time.perf_counter()
+            try:
+                built = self._builder.build(mid, mc, room, while_serving=True)
+            except Exception as exc:  # noqa: BLE001 - reported; the rank keeps serving
+                log.warning("rank %d: building %s failed: %s\n%s", self.rank, mid, exc, traceback.format_exc())
+                self.channel.reply(self._failure(cmd.seq, mid, exc))
+                return
+            with self._registry_lock:
+                self.runners = {**self.runners, mid: built.runner}
+                self.stores = {**self.stores, mid: built.store}
+                self.model_configs = {**self.model_configs, mid: mc}
+            self._log_built(mid, built, "while serving")
+            runner = built.runner
+            self.channel.reply(msg.ModelAdded(
+                seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
+                host_bytes=built.store.nbytes, host_resident=self.host_resident(),
+                batching=runner.batching_defaults() if isinstance(runner, GenerativeRunner) else None))
+        self._builds.submit(build)
+
+    def _on_remove_model(self, cmd: msg.RemoveModel) -> None:
+        t0 = time.perf_counter()
+        mid = cmd.model_id
+        with self._registry_lock:
+            store = self.stores.get(mid)
+            runner = self.runners.get(mid)
+            self.runners = {m: r for m, r in self.runners.items() if m != mid}
+            self.stores = {m: s for m, s in self.stores.items() if m != mid}
+            self.model_configs = {m: c for m, c in self.model_configs.items() if m != mid}
+        if store is not None:
+            if isinstance(runner, GenerativeRunner):
+                runner.drop_all()
+            store.close()
+            if self.host_pool is not None and self.config.host_budget is not None:
+                used = sum(s.host_bytes() for s in self.stores.values())
+                self.host_pool.trim(max(0, self.config.host_budget - used))
+            log.info("rank %d removed %s (%.1f MB shard) in %.1f ms", self.rank, mid, store.nbytes / 2**20,
+                     (time.perf_counter() - t0) * 1e3)
+        self.channel.reply(msg.ModelRemoved(
+            seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
+            device_bytes=self.device_bytes(), host_bytes=sum(s.host_bytes() for s in self.stores.values()),
+            host_resident=self.host_resident()))
 
     def _on_run(self, cmd: msg.RunBatch) -> None:
         store = self._store(cmd.model_id)

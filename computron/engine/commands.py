@@ -27,6 +27,10 @@ class CommandKind(enum.Enum):
     STEP = "step"
     BATCH = "batch"
     STATS = "stats"
+    ADD = "add"
+    """A model added (or a new version) while serving: every rank builds its shard."""
+    REMOVE = "remove"
+    """A retired version leaves every rank."""
     CLEANUP = "cleanup"
     """Releases what a failure left behind on the workers (an offload after a failed load, a drop of
     sequences some ranks still hold): nobody waits for it, its errors are only logged."""

@@ -20,12 +20,14 @@ one command.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .. import messages as msg
+from .. import preflight
 from ..budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, RequestTimeoutError
@@ -33,18 +35,20 @@ from ..generation import CausalLMBatchManager, batch_manager_for
 from ..scheduler import ActionKind
 from ..sequences import TokenBatch, consume
 from .batches import RequestLevel
+from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .liveness import Liveness
 from .preparation import preparation_pool
 from .requests import RequestTable
 from .swaps import Swaps
-from .telemetry import EngineSnapshot, ModelSnapshot, Telemetry
+from .telemetry import Telemetry
 from .token_level import TokenLevel
+from .views import EngineViews
 
 log = logging.getLogger("computron.engine")
 
 
-class Engine:
+class Engine(EngineViews):
     def __init__(self, config: EngineConfig, model_configs: List[ModelConfig], layout, channel,
                  workers: List[msg.WorkerReady], on_close: Optional[Callable[[bool], None]] = None):
         self.config = config
@@ -75,11 +79,15 @@ class Engine:
                             {w.rank: w.host_resident for w in workers if w.host_resident is not None})
         self._request_level = RequestLevel(self._batch_managers, self._requests, self._tracker, self._telemetry,
                                            self._sched)
+        self._catalog = Catalog(config, model_configs, self._sched, self._tracker, self._requests,
+                                self._token_level, self._swaps)
         self._liveness = Liveness(self.n_workers, config.heartbeat_timeout_s, config.command_timeout_s)
         self._handlers = {CommandKind.LOAD: self._swaps.complete, CommandKind.OFFLOAD: self._swaps.complete,
                           CommandKind.STEP: self._token_level.complete_step,
                           CommandKind.BATCH: self._request_level.complete,
-                          CommandKind.STATS: complete_query, CommandKind.CLEANUP: complete_cleanup}
+                          CommandKind.STATS: complete_query, CommandKind.CLEANUP: complete_cleanup,
+                          CommandKind.ADD: self._catalog.complete_add,
+                          CommandKind.REMOVE: self._catalog.complete_remove}
         self._preparation = preparation_pool(config.prepare_threads)
         self._dead: Optional[str] = None
         self._closed = threading.Event()  # close() ran
@@ -93,75 +101,55 @@ class Engine:
     def _batching_info(self, model_id: str) -> Optional[msg.BatchingDefaults]:
         return next((w.batching[model_id] for w in self.workers.values() if model_id in w.batching), None)
 
-    # ---- public API ----------------------------------------------------------
-    @property
-    def model_ids(self) -> List[str]:
-        return list(self._requests.queues)
+    # ---- models while serving (catalog.py) -----------------------------------
+    async def add_model(self, config: ModelConfig) -> None:
+        """Serve one more model. Every rank builds its shard beside the command loop, so the models that
+        are generating keep stepping; returns once it is served. The checks of a launch come first (the
+        same one-line errors); ModelConflictError for a served id, ModelChangeError when a rank's build
+        failed or the model cannot fit the device budget (what the other ranks built is freed)."""
+        await self._change(lambda done: self._catalog.add(config, done), config)
 
-    def model_states(self) -> Dict[str, str]:
+    async def replace_model(self, model_id: str, config: ModelConfig) -> None:
+        """Serve a new version under ``model_id``: requests admitted before keep the old weights to their
+        end, later ones get the new, and the id is never unknown meanwhile. The old version is freed on
+        every rank once it has drained."""
+        config = dataclasses.replace(config, model_id=model_id)
+        await self._change(lambda done: self._catalog.add(config, done, replace=True), config)
+
+    async def remove_model(self, model_id: str, drain: bool = True) -> None:
+        """Stop serving ``model_id``: new requests get UnknownModelError at once; admitted ones finish
+        (``drain``) or fail now; returns once its shards, host buffers and KV caches are freed on every
+        rank (those of its versions still draining too)."""
+        await self._change(lambda done: self._catalog.remove(model_id, done, drain))
+
+    def set_pinned(self, model_id: str, pinned: bool = True) -> None:
+        """A pinned model, once loaded, is never evicted (it still counts against the budgets)."""
         with self._lock:
-            return {m: self._sched.state(m).value for m in self.model_ids}
+            self._catalog.set_pinned(model_id, pinned)
+            self._pump()
 
-    def metrics(self, kind: Optional[str] = None) -> List[Any]:
-        """Records of the loads, offloads, batches, steps and requests so far, oldest first
-        (the last ``EngineConfig.metrics_history`` of them)."""
+    def set_priority(self, model_id: str, priority: int) -> None:
+        """A higher priority goes first when models wait for a slot, and is evicted last."""
         with self._lock:
-            return self._telemetry.metrics(kind)
+            self._catalog.set_priority(model_id, priority)
+            self._pump()
 
-    def add_observer(self, fn: Callable[[Any], None]) -> None:
-        """Call ``fn(record)`` for every record as it is made (on the engine's threads, under its lock:
-        keep it short; an exception is logged and ignored)."""
+    async def _change(self, start: Callable[[Done], None], config: Optional[ModelConfig] = None) -> None:
+        loop = asyncio.get_running_loop()
+        if config is not None:  # reads the checkpoint's config: not on the loop
+            await loop.run_in_executor(None, preflight.check_added, config, self.layout.tp, self.layout.pp)
+        fut = loop.create_future()
         with self._lock:
-            self._telemetry.add_observer(fn)
-
-    def add_reply_observer(self, fn: Callable[[Any], None]) -> None:
-        """Call ``fn(reply)`` for every worker reply, heartbeats included, before the engine handles it
-        (on the thread that delivers it; keep it short; an exception is logged and ignored)."""
-        with self._lock:
-            self._telemetry.add_reply_observer(fn)
-
-    def counters(self) -> Dict[str, Dict]:
-        """Running totals since start that never expire (for Prometheus counters): ``swaps``,
-        ``swap_seconds``, ``swap_bytes`` keyed by (model_id, 'load'|'offload'); ``steps``, ``tokens``,
-        ``preemptions`` keyed by model_id; ``requests`` keyed by (model_id, 'ok'|'error'|'cancelled')."""
-        with self._lock:
-            return self._telemetry.counter_totals()
-
-    def snapshot(self) -> EngineSnapshot:
-        """Where every model is and what it is doing, for a status page or a health check."""
-        with self._lock:
-            models = {}
-            for m, q in self._requests.queues.items():
-                state = self._sched.state(m)
-                tb = self._token_level.batches.get(m)
-                last = self._telemetry.last_swap[m]
-                models[m] = ModelSnapshot(
-                    state=state.value, tier=self._swaps.tier(m, state), waiting=len(q),
-                    running=len(tb.running) if tb else self._sched.in_flight(m), paused=tb.paused() if tb else 0,
-                    token_level=tb is not None, pinned=self._sched.is_pinned(m),
-                    last_load=last.get("load"), last_offload=last.get("offload"))
-            return EngineSnapshot(alive=self._dead is None, dead_reason=self._dead, models=models)
-
-    def events(self, since: int = 0):
-        """``(cursor, [event, ...])``: timeline events (load, offload, batch, step) with an id above
-        ``since``, oldest first; pass the cursor back to get only newer ones."""
-        with self._lock:
-            return self._telemetry.events(since)
-
-    @property
-    def is_alive(self) -> bool:
-        return self._dead is None
-
-    @property
-    def dead_reason(self) -> Optional[str]:
-        return self._dead
+            self._raise_if_dead()
+            start(done_on(loop, fut))
+            self._pump()
+        await fut
 
     async def submit(self, model_id: str, data: Any, timeout: Optional[float] = None) -> Any:
         """Queue one request for ``model_id`` and wait for its whole output."""
-        data = await self._prepare(model_id, data)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        uid = self._enqueue(model_id, data, fut, loop)
+        uid = await self._admit(model_id, data, fut, loop)
         fut.add_done_callback(lambda f, u=uid: f.cancelled() and self._cancel(u))
         if timeout is None:
             return await fut
@@ -178,11 +166,10 @@ class Engine:
         at the next step and frees its cache. Models that do not generate token by token yield
         their whole answer at the end.
         """
-        data = await self._prepare(model_id, data)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue: asyncio.Queue = asyncio.Queue()
-        uid = self._enqueue(model_id, data, fut, loop, stream=queue)
+        uid = await self._admit(model_id, data, fut, loop, stream=queue)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed through the queue
         complete = False
         try:
@@ -214,49 +201,35 @@ class Engine:
         if dead is not None:
             raise EngineDeadError(dead)
 
-    def stats(self, timeout: float = 60.0) -> Dict[int, msg.Stats]:
-        """Every worker's device memory accounting, asked for and answered through the control plane
-        (blocks the calling thread; ``await engine.stats_async()`` from a loop)."""
-        done = threading.Event()
-        result: Dict[int, Any] = {}
-
-        def waiter(replies):
-            result.update(replies)
-            done.set()
-
-        with self._lock:
-            self._raise_if_dead()
-            self._tracker.send(CommandKind.STATS, None, lambda seq: msg.QueryStats(seq=seq), waiter=waiter)
-        if not done.wait(timeout):
-            raise TimeoutError(f"workers did not answer a stats query within {timeout}s")
-        self._raise_if_dead()
-        return result
-
-    async def stats_async(self, timeout: float = 60.0) -> Dict[int, msg.Stats]:
-        return await asyncio.get_running_loop().run_in_executor(None, self.stats, timeout)
-
     # ---- requests ------------------------------------------------------------
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
-    async def _prepare(self, model_id: str, data: Any) -> Any:
+    async def _admit(self, model_id: str, data: Any, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
+        """Prepare a request for the version its id names now, and queue it there. Should that version be
+        freed meanwhile (replaced and drained), prepare it again for the current one."""
+        while True:
+            with self._lock:
+                self._raise_if_dead()
+                key = self._catalog.key_of(model_id)
+            prepared = await self._prepare(key, data)
+            with self._lock:
+                self._raise_if_dead()
+                if self._catalog.accepts(key):
+                    uid = self._requests.add(key, prepared, fut, loop, stream)
+                    self._sched.note_arrival(key, time.perf_counter())
+                    self._pump()
+                    return uid
+
+    async def _prepare(self, key: str, data: Any) -> Any:
         """Validate and prepare a request before it is queued: never under the engine's lock, and on the
         preparation threads (``preparation.py``) for batch managers that tokenize or decode
         (``prepare_off_loop``), so neither the loop nor the thread that delivers replies waits for it."""
-        self._requests.check_model(model_id)
-        self._raise_if_dead()
-        if getattr(self._requests.manager(model_id), "prepare_off_loop", False):
+        if getattr(self._requests.manager(key), "prepare_off_loop", False):
             return await asyncio.get_running_loop().run_in_executor(self._preparation, self._requests.prepare,
-                                                                    model_id, data)
-        return self._requests.prepare(model_id, data)
-
-    def _enqueue(self, model_id, data, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
-        with self._lock:
-            self._raise_if_dead()
-            uid = self._requests.add(model_id, data, fut, loop, stream)
-            self._pump()
-            return uid
+                                                                    key, data)
+        return self._requests.prepare(key, data)
 
     def _cancel(self, uid: int) -> None:
         with self._lock:
@@ -272,7 +245,7 @@ class Engine:
         """Each model with work, and when it started waiting: the arrival of its oldest waiting request,
         or when its live sequences paused or arrived (token-level generation)."""
         heads = {}
-        for m in self.model_ids:
+        for m in self._requests.queues:
             times = [t for t in (self._requests.oldest_waiting(m), self._token_level.head(m, now)) if t is not None]
             if times:
                 heads[m] = min(times)
@@ -281,6 +254,7 @@ class Engine:
     def _pump(self) -> None:
         """Act on the scheduler's decisions until it has nothing more to do. Caller holds the lock."""
         while self._dead is None and not self._closed.is_set():
+            self._catalog.reap()
             now = time.perf_counter()
             heads = self._heads(now)
             actions = self._sched.decide(heads, self._token_level.live_models(), now)
@@ -370,6 +344,7 @@ class Engine:
         self._requests.fail_all(EngineDeadError(self._dead))
         self._token_level.forget_all()
         self._tracker.abandon_all()
+        self._catalog.abandon(EngineDeadError(self._dead))
 
     def close(self) -> None:
         """The one shutdown path: fail what is waiting, stop the workers (within

@@ -5,27 +5,18 @@ prepares each request on one of these threads: never on the caller's event loop,
 never under the engine's lock, never on the thread that delivers replies and
 heartbeats. On a machine whose cores the workers keep busy, such a burst would
 still take CPU time from the master's control threads; these threads lower their
-own scheduling priority (Linux: a thread's nice value), so the engine's threads
-go first and a burst of preparation only waits longer itself.
+own scheduling priority (``niceness.py``), so the engine's threads go first and
+a burst of preparation only waits longer itself.
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
-log = logging.getLogger("computron.engine")
-
-NICENESS = 10
-"""How much lower than the master's other threads preparation runs (a nice increment)."""
+from ..niceness import lower_this_thread
 
 
 def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
-    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: preparation still works
-        log.debug("preparation threads keep the default priority: %s", exc)
+    lower_this_thread("request preparation")
 
 
 def preparation_pool(threads: int) -> ThreadPoolExecutor:

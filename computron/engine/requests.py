@@ -31,6 +31,18 @@ class RequestTable:
         self._telemetry = telemetry
         self._uids = itertools.count()
 
+    def add_model(self, model_id: str, batch_manager: Any, queue_size: int) -> None:
+        """A model added while serving (``catalog.py``)."""
+        self._batch_managers[model_id] = batch_manager
+        self.queues[model_id] = deque()
+        self.queue_sizes[model_id] = queue_size
+
+    def remove_model(self, model_id: str) -> None:
+        """A removed model's last trace: its queue is empty and every request of it answered."""
+        del self._batch_managers[model_id]
+        del self.queues[model_id]
+        self.queue_sizes.pop(model_id, None)
+
     def check_model(self, model_id: Any) -> None:
         if not isinstance(model_id, str) or model_id not in self.queues:
             raise UnknownModelError(model_id, self.queues)

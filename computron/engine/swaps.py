@@ -39,6 +39,12 @@ class Swaps:
         self._host_resident: Dict[int, set] = {r: set(held) for r, held in host_resident.items()}
         """Per rank, the models whose shard it holds in host memory, as its last load reported."""
 
+    def note_host_resident(self, replies: Iterable[msg.CommandDone]) -> None:
+        """What the ranks hold in host memory after a model was added or removed."""
+        for x in replies:
+            if getattr(x, "host_resident", None) is not None:
+                self._host_resident[x.rank] = set(x.host_resident)
+
     def tier(self, model_id: str, state: ModelState) -> str:
         """'device' while resident; else 'host' where every rank holds its shard in host memory, 'disk'
         where some rank would read it from its checkpoint first (EngineConfig.host_budget)."""
@@ -76,9 +82,7 @@ class Swaps:
         tier = "disk" if any(x.tier == "disk" for x in loaded) else "host"
         read_s = max((x.read_s for x in loaded), default=0.0)
         read_bytes = sum(x.read_bytes for x in loaded)
-        for x in loaded:
-            if x.host_resident is not None:
-                self._host_resident[x.rank] = set(x.host_resident)
+        self.note_host_resident(loaded)
         device_bytes = {r: x.device_bytes for r, x in p.replies.items() if hasattr(x, "device_bytes")}
         self._telemetry.record(SwapRecord(kind, m, p.start, now, p.rank_times(), nbytes=nbytes,
                                           device_bytes=device_bytes, error=error,
@@ -99,6 +103,7 @@ class Swaps:
             log.info("loaded %s in %.3f s (%.3f GB, %.2f GB/s over %d ranks)", m, seconds, nbytes / 1e9,
                      nbytes / seconds / 1e9 if seconds > 0 else 0.0, self._n_workers)
             self._sched.on_loaded(m)
+            self._sched.record_load(m, seconds, nbytes)
             return
         log.error("loading %s failed: %s", m, error)
         self._sched.on_load_failed(m)

@@ -37,6 +37,10 @@ class ModelSnapshot:
     pinned: bool
     last_load: Optional[dict] = None
     last_offload: Optional[dict] = None
+    version: int = 1
+    """The served version (2 and up after ``Engine.replace_model``)."""
+    draining_versions: int = 0
+    """Earlier versions still finishing the requests admitted under them."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -45,6 +45,12 @@ class TokenLevel:
         self._kv_swap = kv_swap
         self._n_workers = n_workers
 
+    def add_model(self, model_id: str, batch: TokenBatch) -> None:
+        self.batches[model_id] = batch
+
+    def remove_model(self, model_id: str) -> None:
+        self.batches.pop(model_id, None)
+
     def __contains__(self, model_id: str) -> bool:
         return model_id in self.batches
 

@@ -34,6 +34,11 @@ class StageContext:
     groups: Any  # topology.Groups
     device: torch.device
     model_id: str = ""
+    scatter_from: Optional[int] = 0
+    """TP splitting: the rank whose full weights are scattered to the others (a collective on the TP group,
+    as at start-up, when every rank builds its models in the same order on its command loop), or None:
+    every rank cuts its own slices out of identical full weights without communicating, as a model added
+    while serving must (it is built beside steps that use the same group)."""
 
     @property
     def layout(self):
@@ -111,6 +116,10 @@ class GenerativeRunner(StageRunner):
         """Forget these sequences, parked or running."""
 
     @abc.abstractmethod
+    def drop_all(self) -> None:
+        """Forget every sequence, parked or running (the model is removed)."""
+
+    @abc.abstractmethod
     def kv_bytes(self) -> int:
         """KV caches on the device (not those parked in host memory)."""
 
@@ -127,4 +136,4 @@ def parallelize(module: nn.Module, plan: dict, ctx: StageContext) -> None:
     if ctx.tp == 1 or not plan:
         return
     from torch.distributed.tensor.parallel import parallelize_module
-    parallelize_module(module, ctx.tp_mesh(), plan)
+    parallelize_module(module, ctx.tp_mesh(), plan, src_data_rank=ctx.scatter_from)

@@ -204,6 +204,9 @@ class CausalLMRunner(GenerativeRunner):
     def drop_sequences(self, sids) -> None:
         self.running.drop(sids)
 
+    def drop_all(self) -> None:
+        self.running.clear()
+
     def _chain(self, x, mask, new: int, cache, failed: bool):
         """One forward through the pipeline: receive, run this stage, pass on.
 

@@ -6,8 +6,10 @@ recorded commands when a test says so, by calling ``engine.on_reply`` from the
 test's own thread, exactly as the transport's receiver thread would: one reply
 per rank, of the type ``computron.worker`` sends for that command
 (``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
-``Step`` -> ``StepDone``, ``RunBatch`` -> ``BatchDone``, ``QueryStats`` ->
-``Stats``), or ``CommandFailed`` through ``fail``.
+``Step`` -> ``StepDone``, ``RunBatch`` -> ``BatchDone``, ``AddModel`` -> ``ModelAdded``,
+``RemoveModel`` -> ``ModelRemoved``, ``QueryStats`` -> ``Stats``), or ``CommandFailed``
+through ``fail``. A model added while serving is a causal LM unless its id is in
+``request_level``.
 
 The fake keeps what real workers keep between commands: each model's running
 sequences (admitted by a ``Step``, dropped by ``drop``/``Drop``, ended by EOS or
@@ -125,6 +127,10 @@ class FakeWorkers:
         """model -> sid -> the sequences the workers hold (running or parked)."""
         self.parked: Dict[str, set] = defaultdict(set)
         self.resident: set = set()
+        self.request_level: set = set()
+        """Ids of models added while serving that the fake reports as not generative."""
+        self.removed: List[str] = []
+        """Models freed by ``RemoveModel``, in order."""
         self._outcomes: Dict[int, dict] = {}
 
     # ---- what is there to answer ---------------------------------------------
@@ -206,6 +212,13 @@ class FakeWorkers:
         if isinstance(cmd, msg.RunBatch):
             return msg.BatchDone(**done, model_id=cmd.model_id, output=out["output"] if mine else None,
                                  has_output=mine)
+        if isinstance(cmd, msg.AddModel):
+            lm = cmd.model_id.split("@v")[0] not in self.request_level
+            return msg.ModelAdded(**done, model_id=cmd.model_id, host_bytes=self.nbytes,
+                                  batching=msg.BatchingDefaults(pad_token_id=1, eos_token_id=EOS, vocab_size=100,
+                                                                max_positions=64) if lm else None)
+        if isinstance(cmd, msg.RemoveModel):
+            return msg.ModelRemoved(**done, model_id=cmd.model_id, device_bytes=0, host_bytes=0)
         if isinstance(cmd, msg.QueryStats):
             return msg.Stats(seq=cmd.seq, rank=rank, device_bytes=self.nbytes * len(self.resident),
                              device_reserved_bytes=0, host_bytes=self.nbytes, resident=tuple(sorted(self.resident)))
@@ -243,6 +256,11 @@ class FakeWorkers:
             return self._step(cmd)
         if isinstance(cmd, msg.RunBatch):
             return {"output": self.batch_fn(cmd.batch)}
+        if isinstance(cmd, msg.RemoveModel):
+            self.sequences.pop(cmd.model_id, None)
+            self.parked.pop(cmd.model_id, None)
+            self.resident.discard(cmd.model_id)
+            self.removed.append(cmd.model_id)
         return {}
 
     def _step(self, cmd: msg.Step) -> dict:

@@ -1,9 +1,10 @@
-"""Unit tests of the token-level policies, byte budgets, pinning and priorities (pure, no workers)."""
+"""Unit tests of the token-level policies, byte budgets, pinning and priorities, and models added and
+removed while serving (pure, no workers)."""
 import pytest
 
-from test_scheduler import load, offload, run
+from test_scheduler import load, offload, run, use
 
-from computron.scheduler import MIN_TURN_STEPS, ActionKind, Scheduler, choose_recompute
+from computron.scheduler import MIN_TURN_STEPS, ActionKind, ModelState, Scheduler, choose_recompute
 
 
 def steps(s, m, n, t0, dt=0.01, running=None):
@@ -161,3 +162,153 @@ def test_choose_recompute_keeps_long_contexts_and_unknown_rates():
     assert choose_recompute(contexts, 1000, 1e9, 1e6) == {1}
     assert choose_recompute(contexts, 1000, 1e9, 1e3) == set()    # slow prefill: copy everything
     assert choose_recompute(contexts, 0, 1e9, 1e6) == set()       # unknown KV size: keep the caches
+
+
+# ---- models changing while serving ---------------------------------------------
+
+def _internals(s, m):
+    """Every internal container that still mentions ``m``."""
+    found = [name for name, v in vars(s).items()
+             if isinstance(v, (dict, set, list)) and (m in v or (isinstance(v, dict) and m in v.values()))]
+    found += [f"_eviction.{name}" for name, v in vars(s._eviction).items() if isinstance(v, dict) and m in v]
+    return found
+
+
+def test_add_model_starts_offloaded_and_is_scheduled_like_the_others():
+    s = Scheduler(["a"], 1, max_inflight=1)
+    s.add_model("b")
+    assert s.state("b") is ModelState.OFFLOADED and s.model_ids == ["a", "b"]
+    assert s.decide({"b": 0.0}) == [load("b")]
+    s.on_loaded("b")
+    assert s.decide({"b": 0.0}) == [run("b")]
+
+
+def test_added_model_ties_after_the_others_even_after_a_removal():
+    s = Scheduler(["a", "b", "c"], 3)
+    s.remove_model("a")
+    s.add_model("d")
+    s.add_model("a")                     # back, but now the newest
+    assert s.decide({"a": 0.0, "d": 0.0, "c": 0.0}) == [load("c"), load("d"), load("a")]
+
+
+def test_add_model_errors():
+    s = Scheduler(["a"], None, sizes={"a": 10}, device_budget=100)
+    with pytest.raises(ValueError, match="'a' is already known"):
+        s.add_model("a", 10)
+    with pytest.raises(ValueError, match=r"device_budget=100 bytes per rank cannot hold model 'huge' \(120 bytes"):
+        s.add_model("huge", 120)
+    assert "huge" not in s.model_ids
+    s.add_model("ok", 100)               # exactly the budget fits
+
+
+def test_added_model_counts_against_the_budget_and_keeps_pinned_and_priority():
+    s = Scheduler(["a", "b"], None, sizes={"a": 40, "b": 40}, device_budget=100, max_inflight=1)
+    s.add_model("c", 60, priority=2)
+    for m in ("a", "b"):
+        assert s.decide({m: 0.0}) == [load(m)]
+        s.on_loaded(m)
+        use(s, m)
+    # c needs 60: one 40 must go (a, the least recently used), not both
+    assert s.decide({"c": 1.0}) == [offload("a")]
+    s.on_offloaded("a")
+    assert s.decide({"c": 1.0}) == [load("c")]
+    s.on_loaded("c")
+    use(s, "c")
+    s.add_model("p", 40, pinned=True)
+    assert s.is_pinned("p") and s.priority["c"] == 2
+    # p needs 40: b (priority 0) leaves, not c (priority 2) although c is the most recently used either way
+    assert s.decide({"p": 2.0}) == [offload("b")]
+
+
+def test_remove_offloaded_model_forgets_it_everywhere():
+    s = Scheduler(["a", "b"], 1, sizes={"a": 1, "b": 1}, pinned=["b"], priority={"b": 3}, eviction="cost")
+    s.note_arrival("b", 0.0)
+    s.record_load("b", 0.5, 2)
+    s.remove_model("b")
+    assert _internals(s, "b") == []
+    with pytest.raises(KeyError, match=r"unknown model ids in heads: \['b'\]"):
+        s.decide({"b": 0.0})
+
+
+def test_remove_loaded_idle_model_frees_its_slot_at_once():
+    s = Scheduler(["a", "b"], 1, max_inflight=1)
+    assert s.decide({"a": 0.0}) == [load("a")]
+    s.on_loaded("a")
+    use(s, "a")
+    s.remove_model("a")
+    assert _internals(s, "a") == [] and s.resident() == []
+    assert s.decide({"b": 1.0}) == [load("b")]          # no offload of a: the engine freed it
+
+
+def test_remove_model_refuses_busy_states_naming_them():
+    s = Scheduler(["a", "b", "c"], 1, prefetch=True, max_inflight=1)
+    assert s.decide({"a": 0.0}) == [load("a")]
+    with pytest.raises(RuntimeError, match="'a' is loading"):
+        s.remove_model("a")
+    s.on_loaded("a")
+    assert s.decide({"a": 0.0}) == [run("a")]
+    with pytest.raises(RuntimeError, match="'a' is loaded with 1 batches in flight"):
+        s.remove_model("a")
+    # prefetch: b waits, a's queue is empty: a's offload is queued behind its batch
+    assert s.decide({"b": 1.0}) == [offload("a"), load("b")]
+    with pytest.raises(RuntimeError, match="'a' is loaded with 1 batches in flight and its offload queued"):
+        s.remove_model("a")
+    s.on_batch_done("a")
+    with pytest.raises(RuntimeError, match="'a' is offloading: "):
+        s.remove_model("a")
+    s.on_offloaded("a")
+    s.remove_model("a")
+    assert s.state("b") is ModelState.LOADING
+
+
+def test_removing_a_model_waiting_for_a_victims_slot_drops_the_promise():
+    s = Scheduler(["a", "b", "c"], 1, max_inflight=1)
+    assert s.decide({"a": 0.0}) == [load("a")]
+    s.on_loaded("a")
+    use(s, "a")
+    assert s.decide({"b": 1.0}) == [offload("a")]       # a's slot is promised to b
+    s.remove_model("b")
+    assert _internals(s, "b") == []
+    s.on_offloaded("a")
+    assert s.decide({"c": 2.0}) == [load("c")]
+
+
+def test_set_pinned_and_set_priority():
+    s = Scheduler(["a", "b", "c"], 2, max_inflight=1)
+    for m in ("a", "b"):
+        assert s.decide({m: 0.0}) == [load(m)]
+        s.on_loaded(m)
+        use(s, m)
+    s.set_pinned("a", True)                             # a is the LRU one, but pinned now
+    assert s.decide({"c": 1.0}) == [offload("b")]
+    s.on_offloaded("b")
+    assert s.decide({"c": 1.0}) == [load("c")]
+    s.on_loaded("c")
+    use(s, "c")
+    s.set_pinned("a", False)
+    s.set_priority("a", 5)                              # a is the LRU one, but has the higher priority
+    assert s.decide({"b": 2.0}) == [offload("c")]
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.set_pinned("x", True), lambda s: s.set_priority("x", 1), lambda s: s.note_arrival("x", 0.0),
+    lambda s: s.record_load("x", 1.0, 10), lambda s: s.remove_model("x"), lambda s: s.state("x"),
+    lambda s: s.on_loaded("x"), lambda s: s.on_offloaded("x"), lambda s: s.on_batch_done("x"),
+    lambda s: s.in_flight("x"), lambda s: s.is_pinned("x"), lambda s: s.can_accept_batches("x"),
+])
+def test_unknown_model_ids_are_a_clear_error(call):
+    with pytest.raises(KeyError, match="unknown model id 'x'"):
+        call(Scheduler(["a"], 1))
+
+
+def test_note_arrival_and_record_load_feed_the_cost_estimates():
+    s = Scheduler(["a", "b"], 1, sizes={"a": 100, "b": 300}, eviction="cost")
+    ev = s._eviction
+    assert ev.reload_s("b") == 300                      # nothing measured: the size stands in
+    s.record_load("a", 0.5, 400)                        # 100 bytes per rank in 0.5 s: 200 B/s
+    assert ev.reload_s("a") == 0.5 and ev.reload_s("b") == pytest.approx(1.5)
+    for t in range(4):
+        s.note_arrival("a", float(t))
+    assert ev.rate("a") > 0 and ev.rate("b") == 0
+    with pytest.raises(ValueError, match="must be >= 0"):
+        s.record_load("a", -1.0, 10)

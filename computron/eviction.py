@@ -1,0 +1,161 @@
+"""Which idle resident model leaves first: the eviction policies (pure: no torch, no processes).
+
+The scheduler (``scheduler.py``) decides *when* models must leave and *which may* (idle, not pinned,
+not just loaded, ...); it evicts a higher ``priority`` last whatever the policy, and among equal
+priorities asks the policy here for the order: the candidate with the lowest ``key`` leaves first.
+``EngineConfig.eviction`` names the policy (``EVICTIONS``; ``make_eviction`` builds it).
+
+- ``lru``: the least recently used model leaves first (what Ray Serve's multiplexing and ModelMesh do).
+- ``cost``: the model whose eviction is expected to cost least leaves first, GreedyDual style: each
+  model has a value ``H = L + rate * reload_s``, set when it is used; the lowest ``H`` leaves, and the
+  floor ``L`` rises to the victim's ``H`` on each eviction, so a model that stops being used ages out
+  (newly refreshed models start above its stale value) instead of keeping a slot earned long ago.
+  ``rate`` is the model's recent request rate, ``reload_s`` what loading it again takes.
+
+Every policy gets the same events (``touch``, ``evicted``, ``note_arrival``, ``record_load``, ``add``,
+``remove``); those it has no use for are no-ops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+HALF_LIFE_S = 10.0
+"""Half-life of the request rate estimate of the ``cost`` policy, in seconds. An arrival counts half as
+much after this long. Shorter follows shifts in popularity sooner but, for a model asked a few times a
+minute, leaves one or two arrivals in the window: too noisy to rank models by. Ten seconds holds
+about 14 s worth of arrivals (half-life / ln 2), enough to tell a model asked once a second from one
+asked every ten, and a model whose requests stop loses its rank within a minute or so."""
+
+
+class LruEviction:
+    """The least recently used candidate leaves first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._last_used: Dict[str, int] = {}
+
+    def add(self, m: str) -> None:
+        self._last_used[m] = -1
+
+    def remove(self, m: str) -> None:
+        self._last_used.pop(m, None)
+
+    def touch(self, m: str, now: Optional[float]) -> None:
+        """``m`` was used (loaded, or given a batch); ``now``: the caller's clock, if known."""
+        self._clock += 1
+        self._last_used[m] = self._clock
+
+    def key(self, m: str) -> Tuple[float, ...]:
+        """Lower leaves first."""
+        return (self._last_used[m],)
+
+    def evicted(self, m: str) -> None:
+        """``m``'s offload was decided."""
+
+    def note_arrival(self, m: str, now: float) -> None:
+        """A request for ``m`` was admitted at ``now`` (time.perf_counter())."""
+
+    def record_load(self, m: str, seconds: float, nbytes: int) -> None:
+        """``m`` loaded in ``seconds``; ``nbytes``: its size in the scheduler's units (bytes per rank)."""
+
+
+class CostEviction(LruEviction):
+    """GreedyDual on expected reload cost: ``H = L + rate * reload_s``, lowest ``H`` leaves first.
+
+    ``reload_s``: the model's own last measured load time; before it has one, its bytes over the mean
+    bandwidth of the loads measured so far; before any load, its bytes (a proxy that ranks models the
+    same way). ``rate``: requests per second, an exponentially decayed count of arrivals with half-life
+    ``half_life_s``. Ties (e.g. models never asked for) fall back to least recently used.
+    """
+
+    name = "cost"
+
+    def __init__(self, sizes: Dict[str, int], half_life_s: float = HALF_LIFE_S) -> None:
+        super().__init__()
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s={half_life_s}: must be > 0")
+        self._sizes = sizes  # the scheduler's own dict (bytes per rank), read at each estimate
+        self._decay = math.log(2) / half_life_s
+        self._count: Dict[str, float] = {}   # decayed arrivals, as of _count_t
+        self._count_t: Dict[str, float] = {}
+        self._load_s: Dict[str, float] = {}  # last measured load seconds
+        self._loaded_bytes = 0.0             # over all measured loads, for the mean bandwidth
+        self._loaded_s = 0.0
+        self._h: Dict[str, float] = {}
+        self._floor = 0.0                    # GreedyDual's L
+        self._now: Optional[float] = None    # latest time seen (arrivals, decisions)
+
+    def add(self, m: str) -> None:
+        super().add(m)
+        self._h[m] = self._floor
+
+    def remove(self, m: str) -> None:
+        super().remove(m)
+        for d in (self._count, self._count_t, self._load_s, self._h):
+            d.pop(m, None)
+
+    def _advance(self, now: Optional[float]) -> None:
+        if now is not None and (self._now is None or now > self._now):
+            self._now = now
+
+    # ---- estimates -------------------------------------------------------------
+    def rate(self, m: str) -> float:
+        """Requests per second for ``m`` recently, as of the latest time seen."""
+        c = self._count.get(m, 0.0)
+        if not c:
+            return 0.0
+        return self._decay * c * math.exp(-self._decay * max(0.0, self._now - self._count_t[m]))
+
+    def reload_s(self, m: str) -> float:
+        """Expected seconds to load ``m`` again (a byte count before any load was measured)."""
+        if m in self._load_s:
+            return self._load_s[m]
+        size = self._sizes.get(m, 0)
+        if self._loaded_s > 0 and self._loaded_bytes > 0:
+            return size / (self._loaded_bytes / self._loaded_s)
+        return float(size)
+
+    def value(self, m: str) -> float:
+        """``H``: the model's GreedyDual value as last refreshed."""
+        return self._h[m]
+
+    # ---- events ----------------------------------------------------------------
+    def touch(self, m: str, now: Optional[float]) -> None:
+        super().touch(m, now)
+        self._advance(now)
+        self._h[m] = self._floor + self.rate(m) * self.reload_s(m)
+
+    def key(self, m: str) -> Tuple[float, ...]:
+        return (self._h[m],) + super().key(m)
+
+    def evicted(self, m: str) -> None:
+        self._floor = max(self._floor, self._h[m])
+
+    def note_arrival(self, m: str, now: float) -> None:
+        self._advance(now)
+        c = self._count.get(m, 0.0)
+        if c:
+            c *= math.exp(-self._decay * max(0.0, now - self._count_t[m]))
+        self._count[m] = c + 1.0
+        self._count_t[m] = max(now, self._count_t.get(m, now))
+
+    def record_load(self, m: str, seconds: float, nbytes: int) -> None:
+        if seconds > 0:
+            self._load_s[m] = seconds
+            self._loaded_s += seconds
+            self._loaded_bytes += nbytes
+
+
+EVICTIONS = (LruEviction.name, CostEviction.name)
+
+
+def make_eviction(name: str, sizes: Dict[str, int]) -> LruEviction:
+    """The policy called ``name`` (one of ``EVICTIONS``); ``sizes``: the scheduler's bytes per rank."""
+    if name == LruEviction.name:
+        return LruEviction()
+    if name == CostEviction.name:
+        return CostEviction(sizes)
+    raise ValueError(f"eviction={name!r}: must be one of {EVICTIONS}")

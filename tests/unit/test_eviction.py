@@ -1,0 +1,152 @@
+"""Unit tests of the eviction policies (``computron.eviction``) alone and inside the scheduler (pure)."""
+import pytest
+
+from test_scheduler import load, offload, run
+
+from computron.config import EngineConfig
+from computron.eviction import EVICTIONS, HALF_LIFE_S, CostEviction, LruEviction, make_eviction
+from computron.scheduler import Scheduler
+
+
+def serve(s, m, t, arrivals=1):
+    """``arrivals`` requests for ``m`` at time ``t``, loaded if need be (into free room) and served."""
+    for _ in range(arrivals):
+        s.note_arrival(m, t)
+    actions = s.decide({m: t}, (), t)
+    if actions == [load(m)]:
+        s.on_loaded(m)
+        actions = s.decide({m: t}, (), t)
+    assert actions == [run(m)], actions
+    s.on_batch_done(m)
+
+
+def victims(s, m, t):
+    """Who leaves for ``m``, asked at ``t``."""
+    s.note_arrival(m, t)
+    return [a.model_id for a in s.decide({m: t}, (), t) if a.kind.value == "offload"]
+
+
+def test_names_and_config():
+    assert EVICTIONS == ("lru", "cost")
+    assert isinstance(make_eviction("lru", {}), LruEviction)
+    assert isinstance(make_eviction("cost", {}), CostEviction)
+    with pytest.raises(ValueError, match=r"eviction='fifo': must be one of \('lru', 'cost'\)"):
+        Scheduler(["a"], 1, eviction="fifo")
+    with pytest.raises(ValueError, match=r"EngineConfig.eviction='fifo': must be one of"):
+        EngineConfig(eviction="fifo")
+    assert EngineConfig(eviction="cost").eviction == "cost"
+
+
+def test_rate_halves_every_half_life_and_tracks_a_steady_rate():
+    ev = CostEviction({"a": 1})
+    ev.add("a")
+    ev.note_arrival("a", 0.0)
+    r0 = ev.rate("a")
+    ev._advance(HALF_LIFE_S)
+    assert ev.rate("a") == pytest.approx(r0 / 2)
+    ev2 = CostEviction({"a": 1})
+    ev2.add("a")
+    for i in range(2000):                        # 4 per second for 500 s
+        ev2.note_arrival("a", i / 4)
+    assert ev2.rate("a") == pytest.approx(4.0, rel=0.1)
+
+
+def test_reload_seconds_measured_then_mean_bandwidth_then_size():
+    sizes = {"a": 100, "b": 300}
+    ev = CostEviction(sizes)
+    for m in sizes:
+        ev.add(m)
+    assert (ev.reload_s("a"), ev.reload_s("b")) == (100, 300)      # no load yet: bytes as the proxy
+    ev.record_load("a", 2.0, 100)                                  # 50 B/s
+    assert ev.reload_s("a") == 2.0 and ev.reload_s("b") == pytest.approx(6.0)
+    ev.record_load("a", 0.5, 100)                                  # its own latest load counts
+    assert ev.reload_s("a") == 0.5 and ev.reload_s("b") == pytest.approx(300 / (200 / 2.5))
+
+
+def _two_resident(eviction):
+    """big (300) then small (100) resident, one request each, big used first; a budget of 450."""
+    sizes = {"big": 300, "small": 100, "new": 100}
+    s = Scheduler(list(sizes), None, sizes=sizes, device_budget=450, max_inflight=1, eviction=eviction)
+    serve(s, "big", 0.0)
+    serve(s, "small", 0.1)
+    return s
+
+
+def test_cost_evicts_the_small_cheap_model_where_lru_evicts_the_big_one():
+    assert victims(_two_resident("lru"), "new", 0.2) == ["big"]
+    assert victims(_two_resident("cost"), "new", 0.2) == ["small"]
+
+
+def test_cost_keeps_the_frequently_asked_model_that_lru_would_evict():
+    def scenario(eviction):
+        s = Scheduler(["hot", "cold", "new"], 2, max_inflight=1, eviction=eviction,
+                      sizes={"hot": 100, "cold": 100, "new": 100})
+        for i in range(10):
+            serve(s, "hot", 0.1 * i)             # ten requests in a second
+        serve(s, "cold", 1.0)                     # one, after them: cold is the most recently used
+        return victims(s, "new", 1.1)
+    assert scenario("lru") == ["hot"]
+    assert scenario("cost") == ["cold"]
+
+
+def test_cost_weighs_rate_against_reload_cost():
+    def scenario(n_small_requests):
+        sizes = {"big": 300, "small": 100, "new": 100}
+        s = Scheduler(list(sizes), None, sizes=sizes, device_budget=450, max_inflight=1, eviction="cost")
+        serve(s, "big", 0.0)
+        for i in range(n_small_requests):
+            serve(s, "small", 0.01 * (i + 1))
+        return victims(s, "new", 0.5)
+    assert scenario(1) == ["small"]              # as often asked, 3x cheaper to reload
+    assert scenario(6) == ["big"]                # 6x as often asked outweighs 3x the bytes
+
+
+def test_cost_still_honours_pinned_and_priority():
+    for kw, expected in (({"pinned": ["small"]}, ["big"]), ({"priority": {"small": 1}}, ["big"]),
+                         ({"priority": {"big": 1}}, ["small"])):
+        sizes = {"big": 300, "small": 100, "new": 100}
+        s = Scheduler(list(sizes), None, sizes=sizes, device_budget=450, max_inflight=1, eviction="cost", **kw)
+        serve(s, "big", 0.0)
+        serve(s, "small", 0.1, arrivals=20)       # small is hot: cost alone would keep it
+        if not kw.get("pinned"):
+            assert s._eviction.value("small") > s._eviction.value("big") or kw["priority"].get("big")
+        assert victims(s, "new", 0.2) == expected, kw
+
+
+def test_cost_ages_out_a_model_that_was_hot_long_ago():
+    """A burst makes ``old`` valuable; once its requests stop, the evictions among the other models raise
+    the floor L past its stale value and it leaves, although it was never the least valuable when used."""
+    ids = ["old", "x", "y", "z"]
+    s = Scheduler(ids, 2, max_inflight=1, eviction="cost", sizes=dict.fromkeys(ids, 100))
+    serve(s, "old", 0.0, arrivals=30)
+    h_old = s._eviction.value("old")
+    t, evicted_old = 1.0, None
+    for i in range(60):                          # x, y, z take turns in the other slot, once a second
+        m = ["x", "y", "z"][i % 3]
+        s.note_arrival(m, t)
+        actions = s.decide({m: t}, (), t)
+        out = [a.model_id for a in actions if a.kind.value == "offload"]
+        if "old" in out:
+            evicted_old = i
+            break
+        for v in out:
+            s.on_offloaded(v)
+        if load(m) not in actions:
+            assert s.decide({m: t}, (), t) == [load(m)]
+        s.on_loaded(m)
+        assert s.decide({m: t}, (), t) == [run(m)]
+        s.on_batch_done(m)
+        t += 1.0
+    assert evicted_old is not None and evicted_old > 3, evicted_old
+    assert s._eviction._floor >= h_old   # the floor rose to old's stale value: it was the lowest
+
+
+def test_cost_ranks_never_asked_models_least_recently_used_first():
+    s = Scheduler(["a", "b", "c"], 2, max_inflight=1, eviction="cost")
+    for m in ("a", "b"):
+        assert s.decide({m: 0.0}) == [load(m)]
+        s.on_loaded(m)
+    for m in ("b", "a"):
+        assert s.decide({m: 0.0}) == [run(m)]
+        s.on_batch_done(m)
+    assert s.decide({"c": 1.0}) == [offload("b")]
