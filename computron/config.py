@@ -90,6 +90,11 @@ class EngineConfig:
     'cost' (the one whose eviction is expected to cost least: its reload seconds, measured or estimated from
     its bytes, times its recent request rate; GreedyDual aging, see ``computron/eviction.py``). Pinned models
     never leave and a lower ``ModelConfig.priority`` leaves first under either."""
+    max_loras: int = 8
+    """LoRA adapters a model keeps on the device at once (slots, least recently used leaves first): the
+    most distinct adapters one step of that model runs."""
+    max_lora_rank: int = 64
+    """The largest LoRA rank an adapter may have (the device slots are sized for it)."""
     kv_reserve: float = 0.1
     """Part of a model's device footprint reserved for its KV cache, as a fraction of its shard bytes."""
     host_budget: Optional[int] = None
@@ -130,6 +135,10 @@ class EngineConfig:
         for name in ("step_mode",):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be True or False")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(c, name, v, "must be an int >= 1")
         if not isinstance(self.max_step_tokens, int) or isinstance(self.max_step_tokens, bool) \
                 or self.max_step_tokens < 1:
             _fail(c, "max_step_tokens", self.max_step_tokens, "must be an int >= 1")
@@ -176,8 +185,9 @@ class EngineConfig:
 class ModelConfig:
     model_id: str
     """Name requests use to reach this model."""
-    model_fn: Callable[..., Any]
-    """Builds the full (unsharded) torch module on each rank; must be picklable (a module-level function)."""
+    model_fn: Optional[Callable[..., Any]] = None
+    """Builds the full (unsharded) torch module on each rank; must be picklable (a module-level function).
+    Required, except for an adapter (``adapter``)."""
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of model_fn."""
     batch_manager: Any = None
@@ -203,12 +213,28 @@ class ModelConfig:
     ``EngineConfig.host_budget``. ``model_fn`` is still required: it builds the model when the
     directory cannot be read this way (no safetensors, another architecture). A ``model_fn`` that is
     ``loading.load_causal_lm`` or ``loading.load_encoder`` with a ``path`` is read this way too."""
+    base: Optional[str] = None
+    """With ``adapter``: the id of the served causal LM whose weights the adapter runs on."""
+    adapter: Optional[str] = None
+    """A PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``): this id
+    serves that adapter on ``base``'s weights. Its requests are its base's as far as swapping goes (one
+    load serves them all), and sequences of different adapters share a step. No ``model_fn``."""
 
     def __post_init__(self):
         c = "ModelConfig"
         if not isinstance(self.model_id, str) or not self.model_id:
             _fail(c, "model_id", self.model_id, "must be a non-empty string")
-        if not callable(self.model_fn):
+        if self.adapter is not None or self.base is not None:
+            import os
+            if not isinstance(self.adapter, (str, os.PathLike)) or not str(self.adapter):
+                _fail(c, "adapter", self.adapter, "must be a PEFT adapter directory when base is given")
+            if not isinstance(self.base, str) or not self.base:
+                _fail(c, "base", self.base, "must name the served model the adapter runs on")
+            if self.model_fn is not None or self.checkpoint is not None:
+                _fail(c, "model_fn", self.model_fn, "an adapter has no model_fn or checkpoint of its own "
+                      "(its base's weights serve it)")
+            self.adapter = os.fspath(self.adapter)
+        elif not callable(self.model_fn):
             _fail(c, "model_fn", self.model_fn, "must be callable")
         if not isinstance(self.model_kwargs, dict):
             _fail(c, "model_kwargs", self.model_kwargs, "must be a dict")

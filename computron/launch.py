@@ -59,11 +59,19 @@ def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], 
     if mp.current_process().name.startswith("computron-worker"):
         raise RuntimeError("LaunchEngine ran again inside a worker process, which imports the main module: "
                            "call it under `if __name__ == '__main__':`")
+    adapters = [mc for mc in configs if mc.adapter is not None]  # added once the engine serves their bases
+    configs = [mc for mc in configs if mc.adapter is None]
     preflight.check(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
+    preflight.check_adapters(engine_config, adapters, configs)
     setup_logging(engine_config, None if "RANK" not in os.environ else int(os.environ["RANK"]))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _attach(engine_config, configs, tp_world_size, pp_world_size)
-    return _spawn(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
+        engine = _attach(engine_config, configs, tp_world_size, pp_world_size)
+    else:
+        engine = _spawn(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
+    if engine is not None and adapters:
+        from .engine.adapters import add_at_launch
+        add_at_launch(engine, adapters, engine_config.start_timeout_s)
+    return engine
 
 
 launch_computron = LaunchEngine

@@ -5,7 +5,8 @@ all workers see; replies go from a worker back to the master. Every command
 carries a ``seq`` so replies can be matched to it, and each has one reply type
 (``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
 ``RunBatch`` -> ``BatchDone``, ``Step`` -> ``StepDone``, ``AddModel`` ->
-``ModelAdded``, ``RemoveModel`` -> ``ModelRemoved``, ``QueryStats`` -> ``Stats``),
+``ModelAdded``, ``RemoveModel`` -> ``ModelRemoved``, ``AddAdapter`` and
+``RemoveAdapter`` -> ``AdapterDone``, ``QueryStats`` -> ``Stats``),
 or ``CommandFailed`` from any of them. The worker dispatches on the command's type.
 The replies that complete a model's command are ``CommandDone``s (command, rank,
 start and end); ``StepDone`` and ``Offloaded`` also carry what the runner
@@ -61,6 +62,8 @@ class SeqSpec:
     seed: int = 0
     gen_state: Optional[bytes] = None
     """A resumed sampled sequence's random generator state (instead of ``seed``)."""
+    adapter: Optional[str] = None
+    """The LoRA adapter this sequence runs with (None: the bare model)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,25 @@ class RemoveModel:
     (running or parked) are freed. A rank that does not hold it (its build failed) answers all the same."""
     seq: int
     model_id: str
+
+
+@dataclass(frozen=True)
+class AddAdapter:
+    """Read a LoRA adapter of a served model into host memory (``lora.weights``): this rank's layers
+    and TP slices. It takes a device slot when a step first uses it."""
+    seq: int
+    model_id: str
+    adapter_id: str
+    info: Any
+    """The master's ``lora.adapter.AdapterInfo``."""
+
+
+@dataclass(frozen=True)
+class RemoveAdapter:
+    """Forget a LoRA adapter of a model: its device slot and host copy."""
+    seq: int
+    model_id: str
+    adapter_id: str
 
 
 @dataclass(frozen=True)
@@ -220,6 +242,14 @@ class ModelAdded(CommandDone):
     """A generative model's token ids (what ``WorkerReady.batching`` says of start-up models)."""
     host_resident: Tuple[str, ...] = ()
     """The models whose shard this rank holds in host memory now."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterDone(CommandDone):
+    """The answer to ``AddAdapter`` and ``RemoveAdapter``: the adapters' bytes this rank holds now."""
+    adapter_id: str
+    host_bytes: int = 0
+    device_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -130,6 +130,8 @@ class RequestRecord:
     """Tokens it produced (token-level generation)."""
     preemptions: int = 0
     """How often its sequence was paused by a preemption."""
+    adapter: Optional[str] = None
+    """The LoRA adapter it ran with (``model_id`` is its base's version key)."""
 
     @property
     def latency(self) -> float:

@@ -76,6 +76,21 @@ def check_added(mc: ModelConfig, tp: int, pp: int) -> None:
     _check_picklable(mc)
 
 
+def check_adapters(config: EngineConfig, adapters: List[ModelConfig], models: List[ModelConfig]) -> None:
+    """LoRA adapters given at launch: each names a base among ``models`` and fits it (``lora.adapter``)."""
+    by_id = {mc.model_id: mc for mc in models}
+    for mc in adapters:
+        if mc.base not in by_id:
+            raise PreflightError(f"adapter {mc.model_id!r}: its base {mc.base!r} is not among the models "
+                                 f"served ({sorted(by_id)})")
+        from .engine.adapters import check_adapter_config
+        from .lora.adapter import AdapterError
+        try:
+            check_adapter_config(mc, by_id[mc.base], config.max_lora_rank)
+        except AdapterError as exc:
+            raise PreflightError(str(exc)) from None
+
+
 def _warn_if_in_event_loop() -> None:
     import asyncio
     try:

@@ -10,6 +10,7 @@ turning a finished answer into a tensor; no locks (the engine holds its own).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from collections import deque
@@ -43,6 +44,8 @@ class Request:
     gen_state: Optional[bytes] = None
     """Sampling generator state of a sequence paused for recompute, handed back on resume."""
     preemptions: int = 0
+    adapter: Optional[str] = None
+    """The LoRA adapter its sequence runs with on its model's weights (None: the bare model)."""
 
     def _call(self, fn, *args) -> None:
         try:
@@ -107,10 +110,12 @@ class Cancelled(enum.Enum):
 class TokenBatch:
     """One model's sequences under token-level generation, as the master sees them."""
 
-    def __init__(self, batch_manager, max_batch_size: int, max_step_tokens: int):
+    def __init__(self, batch_manager, max_batch_size: int, max_step_tokens: int, max_adapters: int = 1 << 30):
         self.bm = batch_manager
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
+        self.max_adapters = max_adapters
+        """Distinct LoRA adapters one step may use (the workers' device slots per model)."""
         self.running: Dict[int, Request] = {}
         """sid (= request uid) -> request, for every sequence the workers hold."""
         self.to_drop: set = set()
@@ -183,7 +188,8 @@ class TokenBatch:
         spec = req.spec
         return SeqSpec(sid=spec.sid, prompt=spec.prompt + tuple(req.tokens),
                        max_tokens=spec.max_tokens - len(req.tokens), eos=spec.eos, temperature=spec.temperature,
-                       top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed, gen_state=req.gen_state)
+                       top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed, gen_state=req.gen_state,
+                       adapter=spec.adapter)
 
     def next_step(self, queue: Deque[SubmitEntry], requests: Dict[int, Request]) -> Tuple[list, tuple, list]:
         """Choose what the next step admits (oldest first, up to the batch size and the prompt-token
@@ -199,15 +205,21 @@ class TokenBatch:
             budget -= len(spec.prompt)
             self.running[spec.sid] = req
             admit.append(spec)
+        adapters = {r.adapter for r in list(self.running.values()) + list(self.to_recompute)} - {None}
         while queue and len(self.running) < self.max_batch_size:
             entry = queue[0]
             req = requests[entry.uid]
+            if req.adapter is not None and req.adapter not in adapters and len(adapters) >= self.max_adapters:
+                break  # the step's adapters fill the device slots: it joins once one of them is done
             try:
                 spec = self.bm.to_spec(entry.uid, entry.data)
             except Exception as exc:  # noqa: BLE001 - that request fails alone
                 queue.popleft()
                 rejected.append((entry.uid, exc))
                 continue
+            if req.adapter is not None:
+                spec = dataclasses.replace(spec, adapter=req.adapter)
+                adapters.add(req.adapter)
             if admit and len(spec.prompt) > budget:
                 break
             queue.popleft()

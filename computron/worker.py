@@ -28,12 +28,13 @@ from .config import EngineConfig, ModelConfig
 from .memory import DevicePool, HostPool
 from .models.base import GenerativeRunner, ParkResult, StageRunner
 from .shard_builder import BackgroundBuilds, ShardBuilder
+from .worker_changes import ModelChanges
 from .store import Store
 
 log = logging.getLogger("computron.worker")
 
 
-class Worker:
+class Worker(ModelChanges):
     def __init__(self, rank: int, groups, channel, model_configs: List[ModelConfig],
                  engine_config: EngineConfig, device: torch.device):
         self.rank = rank
@@ -54,13 +55,16 @@ class Worker:
         self._builder = ShardBuilder(rank, groups, device, engine_config, self.pool, self.copy_stream,
                                      self.host_pool)
         self._builds = BackgroundBuilds(rank)
+        self.lora: Dict[str, Any] = {}
+        """Model key -> its ``lora.slots.LoraSlots``, once an adapter was added to it."""
         self._registry_lock = threading.Lock()
         """Models added or removed while serving replace ``runners``/``stores``/``model_configs`` with new
         dicts under this lock (never mutate them): another thread may be iterating over the old ones."""
         self._handlers: Dict[type, Callable[[Any], None]] = {
             msg.Load: self._on_load, msg.Offload: self._on_offload, msg.Drop: self._on_drop,
             msg.RunBatch: self._on_run, msg.Step: self._on_step, msg.QueryStats: self._on_stats,
-            msg.AddModel: self._on_add_model, msg.RemoveModel: self._on_remove_model}
+            msg.AddModel: self._on_add_model, msg.RemoveModel: self._on_remove_model,
+            msg.AddAdapter: self._on_add_adapter, msg.RemoveAdapter: self._on_remove_adapter}
         """The command loop's dispatch: one handler per command type (``Shutdown`` ends the loop)."""
 
     # ---- start-up ------------------------------------------------------------
@@ -272,6 +276,8 @@ class Worker:
         runner = self.runners[cmd.model_id]
         parked = runner.park_running(cmd.recompute) if isinstance(runner, GenerativeRunner) else ParkResult()
         store.offload()
+        if cmd.model_id in self.lora:  # adapters stay in host memory; their device slots go with the base
+            self.lora[cmd.model_id].drop_device()
         self.channel.reply(msg.Offloaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
                                          end=time.perf_counter(), device_bytes=self.device_bytes(), **vars(parked)))
 
@@ -282,58 +288,6 @@ class Worker:
             runner.drop_sequences(cmd.sids)
         self.channel.reply(msg.Dropped(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
                                        end=time.perf_counter(), kv_bytes=runner.kv_bytes()))
-
-    def _on_add_model(self, cmd: msg.AddModel) -> None:
-        mid, mc = cmd.model_id, cmd.config
-        if mid in self.stores:
-            raise ValueError(f"model {mid!r} is already served on rank {self.rank}")
-
-        def room(nbytes: int) -> bool:
-            budget = self.config.host_budget
-            return budget is None or sum(s.host_bytes() for s in self.stores.values()) + nbytes <= budget
-
-        def build() -> None:  # on the build thread
-            t0 = time.perf_counter()
-            try:
-                built = self._builder.build(mid, mc, room, while_serving=True)
-            except Exception as exc:  # noqa: BLE001 - reported; the rank keeps serving
-                log.warning("rank %d: building %s failed: %s\n%s", self.rank, mid, exc, traceback.format_exc())
-                self.channel.reply(self._failure(cmd.seq, mid, exc))
-                return
-            with self._registry_lock:
-                self.runners = {**self.runners, mid: built.runner}
-                self.stores = {**self.stores, mid: built.store}
-                self.model_configs = {**self.model_configs, mid: mc}
-            self._log_built(mid, built, "while serving")
-            runner = built.runner
-            self.channel.reply(msg.ModelAdded(
-                seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
-                host_bytes=built.store.nbytes, host_resident=self.host_resident(),
-                batching=runner.batching_defaults() if isinstance(runner, GenerativeRunner) else None))
-        self._builds.submit(build)
-
-    def _on_remove_model(self, cmd: msg.RemoveModel) -> None:
-        t0 = time.perf_counter()
-        mid = cmd.model_id
-        with self._registry_lock:
-            store = self.stores.get(mid)
-            runner = self.runners.get(mid)
-            self.runners = {m: r for m, r in self.runners.items() if m != mid}
-            self.stores = {m: s for m, s in self.stores.items() if m != mid}
-            self.model_configs = {m: c for m, c in self.model_configs.items() if m != mid}
-        if store is not None:
-            if isinstance(runner, GenerativeRunner):
-                runner.drop_all()
-            store.close()
-            if self.host_pool is not None and self.config.host_budget is not None:
-                used = sum(s.host_bytes() for s in self.stores.values())
-                self.host_pool.trim(max(0, self.config.host_budget - used))
-            log.info("rank %d removed %s (%.1f MB shard) in %.1f ms", self.rank, mid, store.nbytes / 2**20,
-                     (time.perf_counter() - t0) * 1e3)
-        self.channel.reply(msg.ModelRemoved(
-            seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
-            device_bytes=self.device_bytes(), host_bytes=sum(s.host_bytes() for s in self.stores.values()),
-            host_resident=self.host_resident()))
 
     def _on_run(self, cmd: msg.RunBatch) -> None:
         store = self._store(cmd.model_id)

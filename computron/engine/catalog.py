@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import replace as _replace
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import messages as msg
 from ..config import EngineConfig, ModelConfig
@@ -71,6 +71,8 @@ class Catalog:
         self._removing: Dict[str, List[Done]] = {}
         """Versions whose RemoveModel is out -> who waits for every rank's answer."""
         self._adding: Dict[str, Done] = {}
+        self.adapters_on: Callable[[str], List[str]] = lambda model_id: []
+        """The adapters on a model id (``adapters.py`` sets it): a base with adapters keeps its version."""
 
     # ---- what callers ask ----------------------------------------------------
     def key_of(self, model_id) -> str:
@@ -78,6 +80,9 @@ class Catalog:
         if key is None:
             raise UnknownModelError(model_id, self.current)
         return key
+
+    def id_of(self, key: str) -> str:
+        return self._id_of[key]
 
     def accepts(self, key: str) -> bool:
         """May a request prepared for ``key`` still be queued there? Yes until the version is removed:
@@ -107,6 +112,7 @@ class Catalog:
             raise UnknownModelError(mid, self.current)
         if not replace and mid in self.current:
             raise ModelConflictError(f"model {mid!r} is already served: replace it, or remove it first")
+        self._check_no_adapters(mid, "replaced")
         version = self._versions.get(mid, 0) + 1
         key = version_key(mid, version)
         self._versions[mid] = version
@@ -166,7 +172,8 @@ class Catalog:
         self._requests.add_model(key, bm, queue_size)
         if (self._config.step_mode and not self._config.paper_mode and isinstance(bm, CausalLMBatchManager)
                 and batching is not None):
-            self._token_level.add_model(key, TokenBatch(bm, bm.max_batch_size, self._config.max_step_tokens))
+            self._token_level.add_model(key, TokenBatch(bm, bm.max_batch_size, self._config.max_step_tokens,
+                                                        self._config.max_loras))
 
     # ---- removing ------------------------------------------------------------
     def remove(self, model_id: str, done: Done, drain: bool = True) -> None:
@@ -174,6 +181,7 @@ class Catalog:
         from every rank. Without ``drain`` its waiting and running requests fail at once."""
         key = self.key_of(model_id)
         self._check_idle(model_id)
+        self._check_no_adapters(model_id, "removed")
         del self.current[model_id]
         keys = [key] + self.old_versions(model_id)
         log.info("removing %s (%s)", model_id, "its admitted requests finish first" if drain
@@ -193,15 +201,16 @@ class Catalog:
         for k in keys:
             (self._removing[k] if k in self._removing else self._retiring.setdefault(k, [])).append(one_gone)
             if not drain:
-                self._fail_requests(k, UnknownModelError(model_id, self.current))
+                self.fail_requests(lambda r, k=k: r.model_id == k, UnknownModelError(model_id, self.current))
 
-    def _fail_requests(self, key: str, error: BaseException) -> None:
+    def fail_requests(self, which: Callable[[Any], bool], error: BaseException) -> None:
+        """Fail at once every admitted request ``which`` selects, waiting or running."""
         for uid, req in list(self._requests.requests.items()):
-            if req.model_id != key:
+            if not which(req):
                 continue
             self._requests.finish(uid, error=error)
             if not self._token_level.cancel(req):
-                self._requests.unqueue(uid, key)
+                self._requests.unqueue(uid, req.model_id)
 
     def reap(self) -> None:
         """Send ``RemoveModel`` for every retiring version with nothing left to do."""
@@ -257,6 +266,12 @@ class Catalog:
         self._changing.clear()
         for w in waiting:
             w(error)
+
+    def _check_no_adapters(self, model_id: str, what: str) -> None:
+        on = self.adapters_on(model_id)
+        if on:
+            raise ModelConflictError(f"model {model_id!r} has adapters {on}, made for its weights: remove them "
+                                     f"before it is {what}")
 
     def _check_idle(self, model_id: str) -> None:
         change = self._changing.get(model_id)

@@ -31,6 +31,8 @@ class CommandKind(enum.Enum):
     """A model added (or a new version) while serving: every rank builds its shard."""
     REMOVE = "remove"
     """A retired version leaves every rank."""
+    ADD_ADAPTER = "add_adapter"
+    REMOVE_ADAPTER = "remove_adapter"
     CLEANUP = "cleanup"
     """Releases what a failure left behind on the workers (an offload after a failed load, a drop of
     sequences some ranks still hold): nobody waits for it, its errors are only logged."""
@@ -47,6 +49,8 @@ class PendingCommand:
     """Requests the command serves (a batch's rows, a step's running sequences)."""
     cause: str = ""
     """Swaps: why, for the log and the timeline."""
+    adapter: str = ""
+    """Adapter changes: the adapter's id."""
     recompute: tuple = ()
     """Preemption offloads: the sequences whose KV cache is dropped (rebuilt by prefill on resume)."""
     admitted: int = 0

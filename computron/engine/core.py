@@ -30,11 +30,12 @@ from .. import messages as msg
 from .. import preflight
 from ..budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
-from ..errors import EngineDeadError, RequestTimeoutError
+from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError
 from ..generation import CausalLMBatchManager, batch_manager_for
 from ..scheduler import ActionKind
 from ..sequences import TokenBatch, consume
 from .batches import RequestLevel
+from .adapters import Adapters, check_adapter_config
 from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .liveness import Liveness
@@ -69,7 +70,7 @@ class Engine(EngineViews):
         self._tracker = CommandTracker(self.n_workers, channel)
         token_batches = {}
         if config.step_mode and not paper:
-            token_batches = {m: TokenBatch(bm, bm.max_batch_size, config.max_step_tokens)
+            token_batches = {m: TokenBatch(bm, bm.max_batch_size, config.max_step_tokens, config.max_loras)
                              for m, bm in self._batch_managers.items()
                              if isinstance(bm, CausalLMBatchManager) and self._batching_info(m) is not None}
         self._token_level = TokenLevel(token_batches, self._requests, self._tracker, self._telemetry,
@@ -81,13 +82,17 @@ class Engine(EngineViews):
                                            self._sched)
         self._catalog = Catalog(config, model_configs, self._sched, self._tracker, self._requests,
                                 self._token_level, self._swaps)
+        self._adapters = Adapters(self._tracker, self._requests, self._catalog, self._token_level)
+        self._catalog.adapters_on = self._adapters.on_base
         self._liveness = Liveness(self.n_workers, config.heartbeat_timeout_s, config.command_timeout_s)
         self._handlers = {CommandKind.LOAD: self._swaps.complete, CommandKind.OFFLOAD: self._swaps.complete,
                           CommandKind.STEP: self._token_level.complete_step,
                           CommandKind.BATCH: self._request_level.complete,
                           CommandKind.STATS: complete_query, CommandKind.CLEANUP: complete_cleanup,
                           CommandKind.ADD: self._catalog.complete_add,
-                          CommandKind.REMOVE: self._catalog.complete_remove}
+                          CommandKind.REMOVE: self._catalog.complete_remove,
+                          CommandKind.ADD_ADAPTER: self._adapters.complete_add,
+                          CommandKind.REMOVE_ADAPTER: self._adapters.complete_remove}
         self._preparation = preparation_pool(config.prepare_threads)
         self._dead: Optional[str] = None
         self._closed = threading.Event()  # close() ran
@@ -106,21 +111,40 @@ class Engine(EngineViews):
         """Serve one more model. Every rank builds its shard beside the command loop, so the models that
         are generating keep stepping; returns once it is served. The checks of a launch come first (the
         same one-line errors); ModelConflictError for a served id, ModelChangeError when a rank's build
-        failed or the model cannot fit the device budget (what the other ranks built is freed)."""
-        await self._change(lambda done: self._catalog.add(config, done), config)
+        failed or the model cannot fit the device budget (what the other ranks built is freed).
+
+        A config with ``adapter`` and ``base`` serves a LoRA adapter on that served model (``adapters.py``):
+        checked against the base's checkpoint first (``lora.adapter.AdapterError``, one line)."""
+        if config.adapter is not None:
+            with self._lock:
+                base = self._adapters.base_config(config)
+            await self._change(lambda done, info: self._adapters.add(config, info, done),
+                               check=lambda: check_adapter_config(config, base, self.config.max_lora_rank))
+            return
+        await self._change(lambda done, _: self._catalog.add(config, done),
+                           check=lambda: preflight.check_added(config, self.layout.tp, self.layout.pp))
 
     async def replace_model(self, model_id: str, config: ModelConfig) -> None:
         """Serve a new version under ``model_id``: requests admitted before keep the old weights to their
         end, later ones get the new, and the id is never unknown meanwhile. The old version is freed on
         every rank once it has drained."""
+        if self._adapters.route(model_id) is not None or config.adapter is not None:
+            raise ModelConflictError(f"model {model_id!r}: adapters are not replaced in place: remove the "
+                                     "adapter, then add the new one")
         config = dataclasses.replace(config, model_id=model_id)
-        await self._change(lambda done: self._catalog.add(config, done, replace=True), config)
+        await self._change(lambda done, _: self._catalog.add(config, done, replace=True),
+                           check=lambda: preflight.check_added(config, self.layout.tp, self.layout.pp))
 
     async def remove_model(self, model_id: str, drain: bool = True) -> None:
         """Stop serving ``model_id``: new requests get UnknownModelError at once; admitted ones finish
         (``drain``) or fail now; returns once its shards, host buffers and KV caches are freed on every
         rank (those of its versions still draining too)."""
-        await self._change(lambda done: self._catalog.remove(model_id, done, drain))
+        def start(done, _):
+            if self._adapters.route(model_id) is not None:
+                self._adapters.remove(model_id, done, drain)
+            else:
+                self._catalog.remove(model_id, done, drain)
+        await self._change(start)
 
     def set_pinned(self, model_id: str, pinned: bool = True) -> None:
         """A pinned model, once loaded, is never evicted (it still counts against the budgets)."""
@@ -134,14 +158,15 @@ class Engine(EngineViews):
             self._catalog.set_priority(model_id, priority)
             self._pump()
 
-    async def _change(self, start: Callable[[Done], None], config: Optional[ModelConfig] = None) -> None:
+    async def _change(self, start: Callable[[Done, Any], None], check: Optional[Callable[[], Any]] = None) -> None:
+        """Run ``check`` (it reads files: not on the loop), then ``start(done, what check returned)`` under
+        the lock, and wait for ``done``."""
         loop = asyncio.get_running_loop()
-        if config is not None:  # reads the checkpoint's config: not on the loop
-            await loop.run_in_executor(None, preflight.check_added, config, self.layout.tp, self.layout.pp)
+        checked = await loop.run_in_executor(None, check) if check is not None else None
         fut = loop.create_future()
         with self._lock:
             self._raise_if_dead()
-            start(done_on(loop, fut))
+            start(done_on(loop, fut), checked)
             self._pump()
         await fut
 
@@ -212,12 +237,12 @@ class Engine(EngineViews):
         while True:
             with self._lock:
                 self._raise_if_dead()
-                key = self._catalog.key_of(model_id)
+                key, adapter = self._adapters.route(model_id) or (self._catalog.key_of(model_id), None)
             prepared = await self._prepare(key, data)
             with self._lock:
                 self._raise_if_dead()
-                if self._catalog.accepts(key):
-                    uid = self._requests.add(key, prepared, fut, loop, stream)
+                if self._catalog.accepts(key) and (adapter is None or self._adapters.route(model_id) is not None):
+                    uid = self._requests.add(key, prepared, fut, loop, stream, adapter=adapter)
                     self._sched.note_arrival(key, time.perf_counter())
                     self._pump()
                     return uid
@@ -255,6 +280,7 @@ class Engine(EngineViews):
         """Act on the scheduler's decisions until it has nothing more to do. Caller holds the lock."""
         while self._dead is None and not self._closed.is_set():
             self._catalog.reap()
+            self._adapters.reap()
             now = time.perf_counter()
             heads = self._heads(now)
             actions = self._sched.decide(heads, self._token_level.live_models(), now)
@@ -293,7 +319,7 @@ class Engine(EngineViews):
             return
         known, pending = self._tracker.collect(reply)
         if not known:  # after close() or death, late replies have nobody waiting
-            if not self._stopped.is_set():
+            if not (self._stopped.is_set() or self._closed.is_set()):
                 log.warning("reply for unknown command %s", reply)
             return
         if pending is None:
@@ -345,6 +371,7 @@ class Engine(EngineViews):
         self._token_level.forget_all()
         self._tracker.abandon_all()
         self._catalog.abandon(EngineDeadError(self._dead))
+        self._adapters.abandon(EngineDeadError(self._dead))
 
     def close(self) -> None:
         """The one shutdown path: fail what is waiting, stop the workers (within

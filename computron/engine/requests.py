@@ -67,7 +67,7 @@ class RequestTable:
                                str(exc)) from None
 
     def add(self, model_id: str, data: Any, fut: asyncio.Future, loop: asyncio.AbstractEventLoop,
-            stream: Optional[asyncio.Queue]) -> int:
+            stream: Optional[asyncio.Queue], adapter: Optional[str] = None) -> int:
         """Queue a prepared request; QueueFullError over the model's ``queue_size``."""
         queue = self.queues[model_id]
         bound = self.queue_sizes.get(model_id, 0)
@@ -75,7 +75,8 @@ class RequestTable:
             raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
                                  f"(queue_size={bound})")
         uid = next(self._uids)
-        self.requests[uid] = Request(uid, model_id, fut, loop, time.perf_counter(), time.time(), stream=stream)
+        self.requests[uid] = Request(uid, model_id, fut, loop, time.perf_counter(), time.time(), stream=stream,
+                                     adapter=adapter)
         queue.append(SubmitEntry(uid, data))
         return uid
 
@@ -90,7 +91,7 @@ class RequestTable:
         """A cancelled request: gone without an answer (counted as cancelled)."""
         req = self.requests.pop(uid, None)
         if req is not None:
-            self._telemetry.counters["requests"][(req.model_id, "cancelled")] += 1
+            self._telemetry.counters["requests"][(req.adapter or req.model_id, "cancelled")] += 1
         return req
 
     def finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None,
@@ -104,8 +105,8 @@ class RequestTable:
         self._telemetry.record(RequestRecord(
             uid, req.model_id, req.submitted, now, batch_uid=batch_seq, error=None if error is None else str(error),
             submitted_wall=req.submitted_wall, first_token=first, n_tokens=len(req.tokens),
-            preemptions=req.preemptions))
-        self._telemetry.counters["requests"][(req.model_id, "ok" if error is None else "error")] += 1
+            preemptions=req.preemptions, adapter=req.adapter))
+        self._telemetry.counters["requests"][(req.adapter or req.model_id, "ok" if error is None else "error")] += 1
         req.resolve(value, error)
 
     def fail_queue(self, model_id: str, error: BaseException) -> None:

@@ -41,6 +41,8 @@ class ModelSnapshot:
     """The served version (2 and up after ``Engine.replace_model``)."""
     draining_versions: int = 0
     """Earlier versions still finishing the requests admitted under them."""
+    base: Optional[str] = None
+    """A LoRA adapter's: the model it runs on (state and tier are that model's)."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -7,6 +7,7 @@ what changes it). Every view takes the engine's lock, so it sees one consistent 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
@@ -18,12 +19,21 @@ from .telemetry import EngineSnapshot, ModelSnapshot
 class EngineViews:
     @property
     def model_ids(self) -> List[str]:
+        """Every served id: models, then LoRA adapters."""
         with self._lock:
-            return list(self._catalog.current)
+            return list(self._catalog.current) + list(self._adapters.base_of)
+
+    @property
+    def adapters(self) -> Dict[str, str]:
+        """Each served LoRA adapter id -> the id of the model it runs on."""
+        with self._lock:
+            return dict(self._adapters.base_of)
 
     def model_states(self) -> Dict[str, str]:
+        """Each served id's state (an adapter's is its base's)."""
         with self._lock:
-            return {m: self._sched.state(k).value for m, k in self._catalog.current.items()}
+            keys = {**self._catalog.current, **{a: self._adapters.route(a)[0] for a in self._adapters.base_of}}
+            return {m: self._sched.state(k).value for m, k in keys.items()}
 
     # ---- records ---------------------------------------------------------------
     def metrics(self, kind: Optional[str] = None) -> List[Any]:
@@ -65,6 +75,12 @@ class EngineViews:
                     token_level=tb is not None, pinned=self._sched.is_pinned(k),
                     last_load=last.get("load"), last_offload=last.get("offload"),
                     version=self._catalog.version(m), draining_versions=len(self._catalog.old_versions(m)))
+            for a, base in self._adapters.base_of.items():
+                k = self._adapters.route(a)[0]
+                mine = [r for r in self._requests.requests.values() if r.adapter == a]
+                running = sum(1 for r in mine if r.spec is not None)
+                models[a] = dataclasses.replace(models[base], waiting=len(mine) - running, running=running,
+                                                paused=0, base=base, last_load=None, last_offload=None)
             return EngineSnapshot(alive=self._dead is None, dead_reason=self._dead, models=models)
 
     def events(self, since: int = 0):

@@ -64,6 +64,9 @@ class CausalLMRunner(GenerativeRunner):
         layers = list(base.layers)
         part = uniform_split(len(layers), ctx.pp)[ctx.stage]
         base.layers = nn.ModuleList([layers[i] for i in part])
+        self.family_entry = family
+        self.layer_ids = list(part)
+        """The model-wide index of each of this stage's layers (what checkpoints and adapters name)."""
         for local_idx, layer in enumerate(base.layers):
             layer.self_attn.layer_idx = local_idx
         if not ctx.is_first:
@@ -92,6 +95,8 @@ class CausalLMRunner(GenerativeRunner):
         from .running import RunningBatch
         self.running = RunningBatch()
         """The model's sequences between steps (token-level generation)."""
+        self.lora = None
+        """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
 
     def batching_defaults(self) -> BatchingDefaults:
         """What a batch manager needs to know about this model's token ids."""
@@ -250,13 +255,21 @@ class CausalLMRunner(GenerativeRunner):
             return StepResult(kv_restored_bytes=restored, kv_restore_s=t_restore)
         tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
         failed, err = False, None
+        rows = [rb.specs[s].adapter for s in rb.sids] + [a.adapter for a in admit]
+        lora = self.lora if any(r is not None for r in rows) else None
         try:
             weights_ready()
+            if lora is not None:
+                lora.activate(rows)
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
         ids, mask, width = rb.step_inputs([list(a.prompt) for a in admit], int(self.batching_defaults().pad_token_id),
                                           dev)
-        y, failed, e = self._chain(ids, mask, width, rb.cache, failed)
+        try:
+            y, failed, e = self._chain(ids, mask, width, rb.cache, failed)
+        finally:
+            if lora is not None:
+                lora.deactivate()
         err = err or e
         generators = {}
         if ctx.is_output_rank and not failed:

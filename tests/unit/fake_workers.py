@@ -7,7 +7,8 @@ test's own thread, exactly as the transport's receiver thread would: one reply
 per rank, of the type ``computron.worker`` sends for that command
 (``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
 ``Step`` -> ``StepDone``, ``RunBatch`` -> ``BatchDone``, ``AddModel`` -> ``ModelAdded``,
-``RemoveModel`` -> ``ModelRemoved``, ``QueryStats`` -> ``Stats``), or ``CommandFailed``
+``RemoveModel`` -> ``ModelRemoved``, ``AddAdapter``/``RemoveAdapter`` -> ``AdapterDone``,
+``QueryStats`` -> ``Stats``), or ``CommandFailed``
 through ``fail``. A model added while serving is a causal LM unless its id is in
 ``request_level``.
 
@@ -219,6 +220,8 @@ class FakeWorkers:
                                                                 max_positions=64) if lm else None)
         if isinstance(cmd, msg.RemoveModel):
             return msg.ModelRemoved(**done, model_id=cmd.model_id, device_bytes=0, host_bytes=0)
+        if isinstance(cmd, (msg.AddAdapter, msg.RemoveAdapter)):
+            return msg.AdapterDone(**done, model_id=cmd.model_id, adapter_id=cmd.adapter_id)
         if isinstance(cmd, msg.QueryStats):
             return msg.Stats(seq=cmd.seq, rank=rank, device_bytes=self.nbytes * len(self.resident),
                              device_reserved_bytes=0, host_bytes=self.nbytes, resident=tuple(sorted(self.resident)))
