@@ -73,7 +73,7 @@ class Adapters:
         self._key[aid] = key
         self.infos[aid] = info
         self._adding[aid] = done
-        log.info("adding adapter %s on %s (rank %d, %.1f MB)", aid, mc.base, info.rank, info.nbytes / 2**20)
+        log.info("adding adapter %s on %s (rank %d, %.1f MB)", aid, mc.base, info.r, info.nbytes / 2**20)
         self._tracker.send(CommandKind.ADD_ADAPTER, key, lambda seq: msg.AddAdapter(seq, key, aid, info),
                            adapter=aid)
 
@@ -169,11 +169,10 @@ def check_adapter_config(mc: ModelConfig, base: ModelConfig, max_rank: int):
     where = checkpoint_of(base)
     config_file = os.path.join(where[0], "config.json") if where is not None else None
     if config_file is None or not os.path.isfile(config_file):
-        raise AdapterError(f"adapter {mc.model_id!r}: its base {mc.base!r} has no local checkpoint with a "
-                           "config.json to check the adapter against")
+        raise AdapterError(mc.model_id, f"its base {mc.base!r} has no local checkpoint with a config.json to "
+                           "check the adapter against")
     with open(config_file) as f:
         info = check_adapter(mc.model_id, mc.adapter, json.load(f))
-    if info.rank > max_rank:
-        raise AdapterError(f"adapter {mc.model_id!r} has rank {info.rank}, over EngineConfig.max_lora_rank="
-                           f"{max_rank}")
+    if info.r > max_rank:
+        raise AdapterError(mc.model_id, f"its rank {info.r} is over EngineConfig.max_lora_rank={max_rank}")
     return info

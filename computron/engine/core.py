@@ -12,8 +12,11 @@ Components (one owner each, all called under the engine's lock):
 ``requests.RequestTable`` (queues, answers), ``commands.CommandTracker``
 (sequence numbers, replies per rank), ``token_level.TokenLevel`` (every running
 batch of token-level generation), ``swaps.Swaps`` (loads and offloads),
-``liveness.Liveness`` (heartbeats, the watchdog) and ``telemetry.Telemetry``
-(records, timeline, counters). Causal LMs generate token by token
+``liveness.Liveness`` (heartbeats, the watchdog), ``telemetry.Telemetry``
+(records, timeline, counters), ``catalog.Catalog`` (which models and versions
+exist; adding, replacing, removing them while serving) and ``adapters.Adapters``
+(LoRA adapters on served models). ``views.EngineViews`` is the read-only half of
+the public API. Causal LMs generate token by token
 (``EngineConfig.step_mode``); other models, and paper mode, run each batch as
 one command.
 """

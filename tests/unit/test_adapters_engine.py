@@ -24,7 +24,7 @@ from computron.errors import ModelConflictError, UnknownModelError  # noqa: E402
 @dataclass(frozen=True)
 class Info:
     """What the master's adapter check returns, as far as the engine reads it."""
-    rank: int = 4
+    r: int = 4
     nbytes: int = 1000
 
 
