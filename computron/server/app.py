@@ -1,12 +1,15 @@
 """The HTTP front (FastAPI): many models behind one engine, OpenAI's protocol and KServe v2.
 
-``create_app`` builds the ``ServerState`` and mounts three routers over it:
+``create_app`` builds the ``ServerState`` and mounts four routers over it:
 
     openai/routes.py   POST /v1/completions, /v1/chat/completions, /v1/embeddings; GET /v1/models[/{id}]
     v2/routes.py       the Open Inference Protocol for encoder and ViT models (/v2, /v2/models/{name}/...)
+    v2/repository.py   Triton's model repository API: POST /v2/repository/index, .../models/{name}/load, unload
     status.py          GET / (status page), /api/status, /api/events, /health, /metrics
 
-Beside them: ``state.py`` (the served-model registry, admission, the API-key dependency),
+Beside them: ``state.py`` (admission, the API-key dependency), ``registry.py`` (the served models,
+changed while serving), ``building.py`` (one model from its config entry, at start-up and later),
+``repository.py`` (``--model-repository``),
 ``errors.py`` (one table from engine errors to OpenAI's and v2's shapes), ``http.py`` (JSON, SSE,
 disconnects), the request shapes in ``openai/protocol.py`` and ``v2/protocol.py``, ``metrics.py``
 (Prometheus), ``residency.py`` and ``model_kind.py`` (the two vocabularies), ``text.py`` (tokenizers,
@@ -15,14 +18,14 @@ detokenizing, stop strings), ``engine_client.py`` (what the server uses of the e
 the engine queues it and swaps models in as needed.
 
 Errors answer in OpenAI's shape, or v2's under /v2, FastAPI's own 404/405/422 included (the handlers
-below). With API keys set, /v1/* and /v2/models/* need one; /health, /metrics, the status page and its
-feeds, and /v2, /v2/health/* do not.
+below). With API keys set, /v1/*, /v2/models/* and /v2/repository/* need one; /health, /metrics, the
+status page and its feeds, and /v2, /v2/health/* do not.
 """
 from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,35 +33,45 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ComputronError
 from . import status
+from .building import BuiltModel, ServedModel
 from .config import ServerSettings
 from .engine_client import EngineClient
-from .errors import APIError, V2Error, bad, to_openai, to_v2
+from .errors import ERROR_TABLE, APIError, V2Error, bad, to_openai, to_v2
 from .http import error_response
 from .openai import routes as openai_routes
 from .state import ServerState, served_models
 from .text import ModelText
+from .v2 import repository as v2_repository
 from .v2 import routes as v2_routes
 from .v2.protocol import UnderstandingModel
 
 log = logging.getLogger("computron.server")
 
 
-def create_app(engine: EngineClient, texts: Dict[str, ModelText], settings: Optional[ServerSettings] = None,
-               max_positions: Optional[Dict[str, int]] = None,
-               owns_engine: bool = False, encoders: Optional[Dict[str, UnderstandingModel]] = None) -> FastAPI:
-    """The FastAPI app serving ``engine``'s models; ``texts`` maps each causal LM's id to its tokenizer,
+def create_app(engine: EngineClient, texts: Optional[Dict[str, ModelText]] = None,
+               settings: Optional[ServerSettings] = None, max_positions: Optional[Dict[str, int]] = None,
+               owns_engine: bool = False, encoders: Optional[Dict[str, UnderstandingModel]] = None, *,
+               models: Optional[Dict[str, ServedModel]] = None,
+               build: Optional[Callable[..., BuiltModel]] = None) -> FastAPI:
+    """The FastAPI app serving ``engine``'s models: ``models`` (``building.build_model``'s, as ``computron
+    serve`` passes them), or ready-made parts: ``texts`` maps each causal LM's id to its tokenizer,
     ``encoders`` each encoder or ViT model's id to its ``UnderstandingModel``; ``max_positions`` is per
-    model. (Per-model queue bounds are the engine's: ``ModelConfig.queue_size``.)
+    model. (Per-model queue bounds are the engine's: ``ModelConfig.queue_size``.) ``build`` makes the
+    models added while serving (default: ``building.build_model``).
 
     With ``owns_engine`` the app shuts the engine down when it stops (after uvicorn's graceful drain).
+    The lifespan scans ``settings.model_repository`` at start-up and runs its poll.
     """
-    state = ServerState(engine, served_models(texts, encoders, max_positions),
-                        settings or ServerSettings())
+    settings = settings or ServerSettings()
+    served = dict(models) if models is not None else served_models(texts or {}, encoders, max_positions)
+    state = ServerState(engine, served, settings, build)
 
     @asynccontextmanager
     async def lifespan(app):
+        await state.registry.start(settings.repository_poll_s)
         yield
         state.draining = True
+        await state.registry.stop()
         if owns_engine:
             log.info("stopping the engine and its workers")
             await engine.shutdown()
@@ -66,7 +79,7 @@ def create_app(engine: EngineClient, texts: Dict[str, ModelText], settings: Opti
 
     app = FastAPI(title="computron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.computron = state
-    for router in (openai_routes.router, status.router, v2_routes.router):
+    for router in (openai_routes.router, status.router, v2_routes.router, v2_repository.router):
         app.include_router(router)
     _install_error_handlers(app)
     return app
@@ -84,7 +97,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def shaped(request: Request, exc: Exception):
         return error_response(to_v2(exc) if _is_v2(request) else to_openai(exc))
 
-    for exc_type in (APIError, V2Error, ComputronError, Exception):
+    # every type of the error table by name: Starlette's catch-all (Exception) answers, then re-raises
+    for exc_type in (APIError, V2Error, ComputronError, *(cls for cls, _ in ERROR_TABLE), Exception):
         app.add_exception_handler(exc_type, shaped)
 
     @app.exception_handler(StarletteHTTPException)

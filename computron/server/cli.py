@@ -4,9 +4,14 @@
     computron serve small=ckpt/a big=ckpt/b --port 8000 --api-key sk-1
     computron serve --config serve.yaml                           # models, engine and server sections
     computron serve cls=ckpt/bert-sst2 emb=ckpt/bert --task emb=embedding   # encoders: /v2 and /v1/embeddings
+    computron serve --model-repository models/ --repository-poll 10   # each models/NAME loads on first use
 
 Encoder (bert, roberta, xlm-roberta) and ViT checkpoints are served over the Open
 Inference Protocol (/v2/models/ID/infer); embedding models also at /v1/embeddings.
+Models are loaded and unloaded while serving through Triton's repository API
+(/v2/repository/index, /v2/repository/models/NAME/load and unload); with
+--model-repository, each subdirectory with a config.json is a model loaded on its
+first request (--repository-poll rescans the directory).
 
 Everything is checked before any worker starts: every field and path, the HTTP
 port (bound then, and held), and each model's shape against --tp and --pp. A
@@ -28,7 +33,6 @@ from typing import List, Optional
 
 from ..preflight import PreflightError, check, reserve_port
 from .config import (DTYPES, ConfigError, ServeConfig, from_mapping, load_file, model_entries_from_paths)
-from .model_kind import ModelKind
 
 log = logging.getLogger("computron.server")
 
@@ -62,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--drain", "--shutdown-grace", type=float, dest="drain_s",
                    help="seconds in-flight requests get on SIGTERM (default 30)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--model-repository", metavar="DIR", help="serve every subdirectory of DIR that has a "
+                   "config.json, by its name, loaded on its first request (models given besides it load at start)")
+    s.add_argument("--repository-poll", type=float, dest="repository_poll_s", metavar="S",
+                   help="rescan --model-repository every S seconds: new directories become servable, models whose "
+                   "directory disappeared are unloaded")
     return p
 
 
@@ -70,6 +79,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{args.config}: the config must be a mapping with models, engine and server")
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    server_raw = raw.get("server") if isinstance(raw.get("server"), dict) else {}
+    repository = args.model_repository or server_raw.get("model_repository")
     if args.checkpoints:
         if raw.get("models"):
             raise ConfigError("checkpoints given both on the command line and in the config's models")
@@ -77,8 +88,9 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         if args.dtype:
             for m in raw["models"]:
                 m["dtype"] = args.dtype
-    elif not raw.get("models"):
-        raise ConfigError("no models: give checkpoint directories or --config with a models list")
+    elif not raw.get("models") and not repository:
+        raise ConfigError("no models: give checkpoint directories, --config with a models list, or "
+                          "--model-repository")
     elif args.tasks:
         raise ConfigError("--task goes with checkpoints given on the command line (in a config: models[i].task)")
     engine = raw.setdefault("engine", {}) if isinstance(raw.get("engine", {}), dict) else raw["engine"]
@@ -89,75 +101,11 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             if getattr(args, flag) is not None:
                 engine[key] = getattr(args, flag)
     if isinstance(server, dict):
-        for key in ("host", "port", "api_keys", "request_timeout_s", "drain_s", "log_level"):
+        for key in ("host", "port", "api_keys", "request_timeout_s", "drain_s", "log_level", "model_repository",
+                    "repository_poll_s"):
             if getattr(args, key) is not None:
                 server[key] = getattr(args, key)
     return from_mapping(raw)
-
-
-def load_texts(cfg: ServeConfig):
-    """Every causal LM's tokenizer and position limit, and every encoder's batch manager, before any worker
-    starts: ``(texts, max_positions, hf_configs, encoders)``."""
-    from transformers import AutoConfig
-    from .text import ModelText
-    texts, max_positions, hf_configs, encoders = {}, {}, {}, {}
-    for i, m in enumerate(cfg.models):
-        try:
-            hf = AutoConfig.from_pretrained(m.path, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ConfigError(f"models[{i}].path: {m.path!r}: cannot read config.json: {exc}") from None
-        hf_configs[m.id] = hf
-        if m.kind not in (None, ModelKind.GENERATION):
-            encoders[m.id] = _understanding_model(cfg, i, m, hf)
-            continue
-        try:
-            texts[m.id] = ModelText(m.id, m.path)
-        except Exception as exc:  # noqa: BLE001
-            raise ConfigError(f"models[{i}].path: {m.path!r}: cannot load its tokenizer: "
-                              f"{type(exc).__name__}: {exc}") from None
-        n = getattr(hf, "max_position_embeddings", None)
-        if isinstance(n, int):
-            max_positions[m.id] = n
-    return texts, max_positions, hf_configs, encoders
-
-
-def _understanding_model(cfg: ServeConfig, i: int, m, hf):
-    """The batch manager (from ``computron.understanding``) of an encoder or ViT entry, wrapped for the
-    v2 routes."""
-    from ..understanding import (EmbeddingBatchManager, ImageClassificationBatchManager,
-                                 TextClassificationBatchManager)
-    from .v2 import EMBEDDING, IMAGE, UnderstandingModel
-    cls = {EMBEDDING: EmbeddingBatchManager, IMAGE: ImageClassificationBatchManager}.get(
-        m.kind, TextClassificationBatchManager)
-    bs = m.max_batch_size or cfg.engine.max_batch_size or 8
-    try:
-        bm = cls.for_checkpoint(m.path, max_batch_size=bs)
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"models[{i}].path: {m.path!r}: cannot build its {m.kind} batch manager: "
-                          f"{type(exc).__name__}: {exc}") from None
-    return UnderstandingModel(m.id, m.path, m.kind, bm, hidden_size=getattr(hf, "hidden_size", None))
-
-
-def model_configs(cfg: ServeConfig, hf_configs, encoders=None):
-    from ..config import ModelConfig
-    from ..loading import load_causal_lm, load_encoder
-    from ..generation import CausalLMBatchManager
-    encoders = encoders or {}
-    out = []
-    for m in cfg.models:
-        kwargs = {"path": m.path}
-        if m.dtype is not None:
-            kwargs["dtype"] = m.dtype
-        if m.id in encoders:
-            out.append(ModelConfig(m.id, load_encoder, kwargs, batch_manager=encoders[m.id].batch_manager,
-                                   checkpoint=m.path, queue_size=m.queue_size))
-            continue
-        bm = None
-        if m.max_batch_size is not None:
-            bm = CausalLMBatchManager.for_config(hf_configs[m.id], max_batch_size=m.max_batch_size)
-        out.append(ModelConfig(m.id, load_causal_lm, kwargs, batch_manager=bm, checkpoint=m.path,
-                               queue_size=m.queue_size))
-    return out
 
 
 def _uvicorn_server(app, cfg: ServeConfig, on_signal):
@@ -175,7 +123,7 @@ def _uvicorn_server(app, cfg: ServeConfig, on_signal):
                 for sock in s.sockets:
                     host, port = sock.getsockname()[:2]
                     log.info("serving %s on http://%s:%d (OpenAI API under /v1, KServe v2 under /v2, "
-                             "status page at /)", ", ".join(m.id for m in cfg.models), host, port)
+                             "status page at /)", ", ".join(m.id for m in cfg.models) or "no model yet", host, port)
     s = cfg.server
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level=s.log_level, access_log=False,
                             timeout_graceful_shutdown=s.drain_s, lifespan="on", loop="asyncio",
@@ -184,29 +132,39 @@ def _uvicorn_server(app, cfg: ServeConfig, on_signal):
 
 
 def prepare(cfg: ServeConfig):
-    """Tokenizers, batch managers and model configs of every model, checked against the engine's
-    preflight (shapes against TP and PP, devices, ...): ``(configs, texts, max_positions, encoders)``.
-    Raises ``ConfigError`` or ``PreflightError``; no worker has started."""
-    texts, max_positions, hf_configs, encoders = load_texts(cfg)
-    configs = model_configs(cfg, hf_configs, encoders)
+    """Tokenizers, batch managers and model configs of every model (``building.build_models``: the path
+    of models added while serving too), checked against the engine's preflight (shapes against TP and
+    PP, devices, ...): ``(configs, served)``, the engine's ``ModelConfig`` list and the server's
+    ``ServedModel`` by id. Raises ``ConfigError`` or ``PreflightError``; no worker has started."""
+    from .building import build_models
+    built = build_models(cfg)
+    configs = [b.config for b in built]
     check(cfg.engine, configs, cfg.tp, cfg.pp)
-    return configs, texts, max_positions, encoders
+    return configs, {b.served.id: b.served for b in built}
 
 
-async def serve(cfg: ServeConfig, sock, configs, texts, max_positions, encoders=None) -> int:
+async def serve(cfg: ServeConfig, sock, configs, served) -> int:
     """Start the engine, then serve HTTP on ``sock`` (bound by ``preflight.reserve_port``) until a signal."""
+    from functools import partial
+
     from ..errors import LaunchError
     from ..launch import LaunchEngine
     from .app import create_app
+    from .building import build_model
     s = cfg.server
     log.info("starting %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d", cfg.tp * cfg.pp, cfg.tp,
-             cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path})" for m in cfg.models), cfg.engine.max_loaded)
+             cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path})" for m in cfg.models) or "none yet",
+             cfg.engine.max_loaded)
+    if s.model_repository:
+        log.info("model repository %s: its models load on their first request%s", s.model_repository,
+                 f"; rescanned every {s.repository_poll_s:g}s" if s.repository_poll_s else "")
     try:
         engine = await asyncio.to_thread(LaunchEngine, cfg.engine, configs, cfg.tp, cfg.pp)
     except LaunchError as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
-    app = create_app(engine, texts, s, max_positions=max_positions, owns_engine=True, encoders=encoders)
+    app = create_app(engine, settings=s, owns_engine=True, models=served,
+                     build=partial(build_model, default_max_batch_size=cfg.engine.max_batch_size))
     state = app.state.computron
 
     def on_signal(sig):

@@ -8,6 +8,8 @@ A config file::
         dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
         max_batch_size: 8        # optional: sequences batched together for this model
         queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)
+        pinned: false            # optional: never evicted once loaded
+        priority: 0              # optional: higher goes first for a slot and is evicted last
       - id: embed                # an encoder (bert, roberta, xlm-roberta) or ViT checkpoint is served over
         path: ckpt/bert-base     # the v2 protocol (/v2/models/embed/infer), embeddings also at /v1/embeddings
         task: embedding          # optional: embedding | classification (default: classification when the
@@ -19,10 +21,13 @@ A config file::
     server:
       host: 127.0.0.1
       port: 8000
-      api_keys: [sk-local-1]     # optional; then /v1/* and /v2/models/* need `Authorization: Bearer <key>`
+      api_keys: [sk-local-1]     # optional; then /v1/*, /v2/models/*, /v2/repository/* need `Bearer <key>`
       request_timeout_s: 600     # a request over this answers 504
       drain_s: 30                # SIGTERM/SIGINT: how long in-flight requests may take to finish
                                  # (old name, still read: shutdown_grace_s)
+      model_repository: models/  # optional: each subdirectory with a config.json is servable by its name,
+                                 # loaded on its first request (then `models` may be empty)
+      repository_poll_s: 10      # optional: rescan it this often (new directories, removed ones unloaded)
 
 Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path.
 """
@@ -32,7 +37,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Container, Dict, List, Optional
 
 from ..config import EngineConfig
 from ..loading import DTYPES, has_tokenizer  # DTYPES: also cli.py's --dtype choices
@@ -59,6 +64,10 @@ class ModelEntry:
     task: Optional[str] = None
     """Encoders and ViT only: 'embedding' or 'classification'; None picks classification when the checkpoint
     has a classification head, else embedding."""
+    pinned: bool = False
+    """Never evict this model once it is loaded (``ModelConfig.pinned``)."""
+    priority: int = 0
+    """Higher goes first when models wait for a slot, and is evicted last (``ModelConfig.priority``)."""
     kind: Optional[ModelKind] = None
     """Set by validation: GENERATION for a causal LM, else the kind of encoder or ViT model."""
 
@@ -70,8 +79,8 @@ class ServerSettings:
     port: int = 8000
     """Port to listen on (0 picks a free one and logs it); bound before any worker starts."""
     api_keys: List[str] = field(default_factory=list)
-    """Accepted bearer tokens for /v1/* and /v2/models/* (not /health, /metrics, the status page, /v2 and
-    /v2/health/*); empty means no authentication."""
+    """Accepted bearer tokens for /v1/*, /v2/models/* and /v2/repository/* (not /health, /metrics, the status
+    page, /v2 and /v2/health/*); empty means no authentication."""
     request_timeout_s: float = 600.0
     """A request still unanswered after this long fails with 504."""
     drain_s: float = 30.0
@@ -82,6 +91,14 @@ class ServerSettings:
     """max_tokens of a chat completion that names none (capped by the model's positions)."""
     log_level: str = "info"
     """Server log level: debug logs every request's model, status and latency."""
+    model_repository: Optional[str] = None
+    """A directory whose subdirectories with a ``config.json`` are servable by their names (Triton's model
+    repository, Ollama's load on first request): the first request for one waits while it is added, and
+    ``/v2/repository/*`` lists, loads and unloads them. With it, ``models`` may be empty."""
+    repository_poll_s: Optional[float] = None
+    """Rescan ``model_repository`` every this many seconds: new directories become servable, and models
+    loaded from a directory that disappeared are unloaded (drained). None: scanned at start-up and by the
+    index and load requests only."""
 
 
 @dataclass
@@ -171,38 +188,52 @@ def check_checkpoint(name: str, path: Any) -> str:
     return path
 
 
-def parse_models(raw: Any) -> List[ModelEntry]:
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError("models: must be a non-empty list of {id, path, ...}")
+def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
+    """One model entry (a mapping with the fields of ``ModelEntry``) checked, its path made absolute and its
+    kind read from the checkpoint; ``where`` names it in errors (``models[1]``). Reads ``config.json``:
+    not on an event loop."""
+    if not isinstance(m, dict):
+        raise ConfigError(f"{where}: must be a mapping with id and path, got {m!r}")
     known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind"}
-    out, seen = [], set()
+    unknown = sorted(set(m) - known)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
+    for req in ("id", "path"):
+        if req not in m:
+            raise ConfigError(f"{where}.{req}: missing")
+    entry = ModelEntry(**m)
+    _check_type(f"{where}.id", entry.id, str)
+    if not _ID.match(entry.id):
+        raise ConfigError(f"{where}.id={entry.id!r}: must be letters, digits and ._:/- ")
+    if entry.id in taken:
+        raise ConfigError(f"{where}.id={entry.id!r}: duplicate model id")
+    entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
+    _check_type(f"{where}.task", entry.task, str, allow_none=True)
+    entry.kind = understanding_kind(f"{where}.path", entry.path, entry.task)
+    if entry.dtype is not None and entry.dtype not in DTYPES:
+        raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
+    for k in ("max_batch_size", "queue_size"):
+        v = getattr(entry, k)
+        _check_type(f"{where}.{k}", v, int, allow_none=True)
+        if v is not None and v < (1 if k == "max_batch_size" else 0):
+            raise ConfigError(f"{where}.{k}={v!r}: must be >= {1 if k == 'max_batch_size' else 0}")
+    if not isinstance(entry.pinned, bool):
+        raise ConfigError(f"{where}.pinned={entry.pinned!r}: must be true or false")
+    _check_type(f"{where}.priority", entry.priority, int)
+    return entry
+
+
+def parse_models(raw: Any, allow_empty: bool = False) -> List[ModelEntry]:
+    """Every entry of ``models`` (``parse_model``); ``allow_empty`` when a model repository may supply them."""
+    if raw is None and allow_empty:
+        return []
+    if not isinstance(raw, list) or not (raw or allow_empty):
+        raise ConfigError("models: must be a non-empty list of {id, path, ...}")
+    out: List[ModelEntry] = []
+    seen: set = set()
     for i, m in enumerate(raw):
-        where = f"models[{i}]"
-        if not isinstance(m, dict):
-            raise ConfigError(f"{where}: must be a mapping with id and path, got {m!r}")
-        unknown = sorted(set(m) - known)
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
-        for req in ("id", "path"):
-            if req not in m:
-                raise ConfigError(f"{where}.{req}: missing")
-        entry = ModelEntry(**m)
-        _check_type(f"{where}.id", entry.id, str)
-        if not _ID.match(entry.id):
-            raise ConfigError(f"{where}.id={entry.id!r}: must be letters, digits and ._:/- ")
-        if entry.id in seen:
-            raise ConfigError(f"{where}.id={entry.id!r}: duplicate model id")
+        entry = parse_model(m, f"models[{i}]", seen)
         seen.add(entry.id)
-        entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
-        _check_type(f"{where}.task", entry.task, str, allow_none=True)
-        entry.kind = understanding_kind(f"{where}.path", entry.path, entry.task)
-        if entry.dtype is not None and entry.dtype not in DTYPES:
-            raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
-        for k in ("max_batch_size", "queue_size"):
-            v = getattr(entry, k)
-            _check_type(f"{where}.{k}", v, int, allow_none=True)
-            if v is not None and v < (1 if k == "max_batch_size" else 0):
-                raise ConfigError(f"{where}.{k}={v!r}: must be >= {1 if k == 'max_batch_size' else 0}")
         out.append(entry)
     return out
 
@@ -265,6 +296,17 @@ def parse_server(raw: Any) -> ServerSettings:
         raise ConfigError(f"server.default_max_tokens={s.default_max_tokens}: must be >= 1")
     if s.log_level not in ("critical", "error", "warning", "info", "debug"):
         raise ConfigError(f"server.log_level={s.log_level!r}: must be one of critical, error, warning, info, debug")
+    if s.model_repository is not None:
+        _check_type("server.model_repository", s.model_repository, str)
+        if not os.path.isdir(s.model_repository):
+            raise ConfigError(f"server.model_repository: directory {s.model_repository!r} does not exist")
+        s.model_repository = os.path.abspath(os.path.expanduser(s.model_repository))
+    if s.repository_poll_s is not None:
+        _check_type("server.repository_poll_s", s.repository_poll_s, float)
+        if s.repository_poll_s <= 0:
+            raise ConfigError(f"server.repository_poll_s={s.repository_poll_s!r}: must be > 0 seconds")
+        if s.model_repository is None:
+            raise ConfigError("server.repository_poll_s: needs server.model_repository (the directory to rescan)")
     return s
 
 
@@ -275,8 +317,10 @@ def from_mapping(raw: Any) -> ServeConfig:
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown section (known: models, engine, server)")
     engine, tp, pp = parse_engine(raw.get("engine"))
-    return ServeConfig(models=parse_models(raw.get("models")), engine=engine, tp=tp, pp=pp,
-                       server=parse_server(raw.get("server")))
+    server_raw = raw.get("server")
+    has_repository = isinstance(server_raw, dict) and server_raw.get("model_repository") is not None
+    models = parse_models(raw.get("models"), allow_empty=has_repository)  # checked before the server section
+    return ServeConfig(models=models, engine=engine, tp=tp, pp=pp, server=parse_server(server_raw))
 
 
 def load_file(path: str) -> Dict[str, Any]:

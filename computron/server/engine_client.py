@@ -1,4 +1,5 @@
-"""What the HTTP server uses of the engine: the ``EngineClient`` protocol.
+"""What the HTTP server uses of the engine: the ``EngineClient`` protocol (requests, state, and the
+served models' changes while serving).
 
 ``computron.engine.Engine`` implements it, and so does the tests' stub engine
 (``tests/serve_helpers.StubEngineBase``), which puts the server in states a live engine cannot be
@@ -40,6 +41,21 @@ class EngineClient(Protocol):
 
     def events(self, since: int = 0) -> Tuple[int, List[Dict[str, Any]]]:
         """``(cursor, events)``: the status page's timeline after ``since``."""
+
+    async def add_model(self, config: Any) -> None:
+        """Serve one more model (a ``ModelConfig``), built on every rank while the others keep serving."""
+
+    async def replace_model(self, model_id: str, config: Any) -> None:
+        """Serve a new version under ``model_id``; admitted requests finish on the old one."""
+
+    async def remove_model(self, model_id: str, drain: bool = True) -> None:
+        """Stop serving ``model_id`` (new requests: UnknownModelError at once); returns once it is freed."""
+
+    def set_pinned(self, model_id: str, pinned: bool = True) -> None:
+        """Never evict ``model_id`` once it is loaded (or allow it again)."""
+
+    def set_priority(self, model_id: str, priority: int) -> None:
+        """Higher goes first for a slot and is evicted last."""
 
     async def shutdown(self) -> None:
         """Stop the engine and its workers (the app does it on exit when it owns the engine)."""

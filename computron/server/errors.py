@@ -2,9 +2,10 @@
 
 OpenAI's routes answer ``{"error": {"message", "type", "param", "code"}}`` (``APIError``); the Open
 Inference Protocol under ``/v2`` answers ``{"error": "message"}`` (``V2Error``). ``ERROR_TABLE`` maps
-each engine error (``computron.errors``) and the chat-template error to its status, OpenAI type and
-code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read it, and either
-shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's answer
+each engine error (``computron.errors``), the chat-template error, and the errors of a model added
+while serving (a bad config: 400; a change of an id under way: 409; a build that failed: 500) to its
+status, OpenAI type and code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both
+read it, and either shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's answer
 has it as ``param`` (in the client's name of it: ``prompt`` for the engine's ``input_ids``) and its
 reason without the engine's ``model 'x': malformed request:`` prefix; v2's answer says ``input 'x':
 reason`` (``payload_message``). Anything else is a bug: logged, and answered 500 ``internal_error``.
@@ -18,8 +19,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from ..errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError, UnknownModelError,
-                      WorkerError)
+from ..errors import (EngineDeadError, ModelChangeError, ModelConflictError, PayloadError, QueueFullError,
+                      RequestTimeoutError, UnknownModelError, WorkerError)
+from ..preflight import PreflightError
+from .config import ConfigError
 from .text import ChatTemplateError
 
 log = logging.getLogger("computron.server")
@@ -77,8 +80,13 @@ ERROR_TABLE: Tuple[Tuple[type, ErrorKind], ...] = (
     (RequestTimeoutError, ErrorKind(504, "timeout_error", "request_timeout")),
     (EngineDeadError, ErrorKind(503, "service_unavailable", "engine_dead")),
     (WorkerError, ErrorKind(500, "server_error", "worker_error")),
+    # changes of the served models (the repository API, a model repository's first request)
+    (ConfigError, ErrorKind(400, "invalid_request_error", "invalid_model_config")),
+    (PreflightError, ErrorKind(400, "invalid_request_error", "invalid_model_config")),
+    (ModelConflictError, ErrorKind(409, "invalid_request_error", "model_conflict")),
+    (ModelChangeError, ErrorKind(500, "server_error", "model_load_failed")),
 )
-"""Engine and text errors, first match wins."""
+"""Engine, text and model-change errors, first match wins."""
 
 
 def error_kind(exc: BaseException) -> Optional[ErrorKind]:

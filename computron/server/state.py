@@ -3,9 +3,11 @@
 ``create_app`` builds one ``ServerState`` and keeps it on ``app.state.computron``; routes reach it
 through the ``served_state`` dependency. It holds:
 
-- ``models``: one ``ServedModel`` per id, in the order models were given (causal LMs, then encoders),
-  with its ``ModelKind``, checkpoint path, queue bound, and the tokenizer of a text generator
-  (``text``) or the ``UnderstandingModel`` of an encoder or ViT model (``understanding``);
+- ``registry`` (``registry.py``) and its ``models``: one ``ServedModel`` (``building.py``) per id, in
+  the order models were given, then added, with its ``ModelKind``, checkpoint path, config entry, and
+  the tokenizer of a text generator (``text``) or the ``UnderstandingModel`` of an encoder or ViT model
+  (``understanding``). It changes while serving (the repository API, a model repository's first
+  requests): inference routes take their model from ``resolve``, which waits for such a load;
 - the engine (an ``EngineClient``), the settings, the Prometheus metrics, and ``draining`` (set on
   SIGTERM/SIGINT and at shutdown);
 - the checks every inference request passes before it reaches the engine: ``check_serving`` (not
@@ -20,19 +22,21 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from ..errors import EngineDeadError, PayloadError, UnknownModelError
+from .building import BuiltModel, ServedModel, build_model
 from .config import ServerSettings
 from .engine_client import EngineClient
 from .errors import APIError, V2Error
 from .http import error_response, unless_disconnected
 from .metrics import ServerMetrics
 from .model_kind import ModelKind
+from .registry import ModelRegistry
+from .repository import ModelRepository
 from .text import ModelText
 from .v2.protocol import UnderstandingModel
 
@@ -42,23 +46,9 @@ UNKNOWN = "_unknown"
 """The model label of a request whose model is not (yet) known to be served."""
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    """One model the server serves."""
-    id: str
-    path: str
-    kind: ModelKind
-    text: Optional[ModelText] = None
-    """A text generator's tokenizer."""
-    understanding: Optional[UnderstandingModel] = None
-    """An encoder or ViT model's batch manager and v2 metadata."""
-    max_positions: Optional[int] = None
-    """A text generator's positions: the default ``max_tokens`` fits in them."""
-
-
 def served_models(texts: Dict[str, ModelText], encoders: Optional[Dict[str, UnderstandingModel]] = None,
                   max_positions: Optional[Dict[str, int]] = None) -> Dict[str, ServedModel]:
-    """The registry of ``create_app``'s arguments: text generators first, then encoders."""
+    """The registry of ``create_app``'s ready-made arguments: text generators first, then encoders."""
     max_positions = max_positions or {}
     models = {m: ServedModel(m, t.path, ModelKind.GENERATION, text=t, max_positions=max_positions.get(m))
               for m, t in texts.items()}
@@ -68,14 +58,22 @@ def served_models(texts: Dict[str, ModelText], encoders: Optional[Dict[str, Unde
 
 
 class ServerState:
-    def __init__(self, engine: EngineClient, models: Dict[str, ServedModel], settings: ServerSettings):
+    def __init__(self, engine: EngineClient, models: Dict[str, ServedModel], settings: ServerSettings,
+                 build: Optional[Callable[..., BuiltModel]] = None):
+        """``build`` makes a model added while serving (default: ``building.build_model``)."""
         self.engine = engine
-        self.models = models
+        repo = ModelRepository(settings.model_repository) if settings.model_repository else None
+        self.registry = ModelRegistry(engine, models, build or build_model, repo, settings.request_timeout_s)
         self.settings = settings
         self.metrics = ServerMetrics(engine)
         self.draining = False
         self.started = time.time()
         self._keys = [k.encode() for k in settings.api_keys]
+
+    @property
+    def models(self) -> Dict[str, ServedModel]:
+        """The served models by id (the registry's, changed while serving)."""
+        return self.registry.models
 
     def kind_of(self, model_id: Any) -> Optional[ModelKind]:
         """The kind of a served model; None for anything else (an unknown id, a non-string)."""
@@ -88,6 +86,18 @@ class ServerState:
         if m is None:
             raise UnknownModelError(model_id, self.models)
         return m
+
+    async def resolve(self, request: Request, model_id: Any) -> ServedModel:
+        """The model an inference request names: a served one, or a repository model loaded now (the
+        request waits for it; 503 while draining). ``ClientGone`` when the client leaves meanwhile (the
+        load goes on); 404 for anything else."""
+        m = self.models.get(model_id) if isinstance(model_id, str) else None
+        if m is not None:
+            return m
+        if not self.registry.can_load(model_id):
+            raise UnknownModelError(model_id, self.models)
+        self.check_serving()
+        return await unless_disconnected(request, self.registry.resolve(model_id))
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_key(self, authorization: str) -> None:

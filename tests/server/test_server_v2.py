@@ -309,19 +309,22 @@ def test_queue_full_429_and_engine_dead_503(ckpts):
 # ---- configuration (no workers) --------------------------------------------------------------------------
 
 def test_config_picks_batch_managers_and_checks_task(ckpts, tmp_path, capsys):
-    from computron.server.cli import _parser, build_config, load_texts, main, model_configs
+    from computron.server.building import build_models
+    from computron.server.cli import _parser, build_config, main
     cfg = build_config(_parser().parse_args(["serve", *[f"{m}={p}" for m, p in ckpts.items()],
                                              f"cls-emb={ckpts['topic']}", "--task", "cls-emb=embedding"]))
     assert [m.kind for m in cfg.models] == ["sequence-classification", "sequence-classification", "embedding",
                                             "image-classification", "embedding"]
-    texts, _, hf, encoders = load_texts(cfg)
-    assert not texts and set(encoders) == {"sentiment", "topic", "emb", "vit", "cls-emb"}
+    built = build_models(cfg)
+    assert not [b for b in built if b.served.text is not None]
+    encoders = {b.served.id: b.served.understanding for b in built}
+    assert set(encoders) == {"sentiment", "topic", "emb", "vit", "cls-emb"}
     kinds = {m: type(e.batch_manager) for m, e in encoders.items()}
     assert kinds == {"sentiment": TextClassificationBatchManager, "topic": TextClassificationBatchManager,
                      "emb": EmbeddingBatchManager, "cls-emb": EmbeddingBatchManager,
                      "vit": ImageClassificationBatchManager}
     assert encoders["topic"].labels == zu.LABEL_SETS["topic"]
-    mcs = model_configs(cfg, hf, encoders)
+    mcs = [b.config for b in built]
     assert all(mc.model_fn is zu.load_encoder and mc.batch_manager is encoders[mc.model_id].batch_manager
                for mc in mcs)
     bad = [

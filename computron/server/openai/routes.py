@@ -8,7 +8,9 @@ body -> ``CompletionParams`` -> the model's tokenizer -> ``ServerState.admit`` -
 answered by a ``Completion``: whole (``generate``), or streamed (``stream``: the first token is awaited
 before the answer starts, so errors before it get their status code; an error after it ends the stream
 with an error event, then ``data: [DONE]``). Encoder models answer 400 here, except embedding models
-at ``/v1/embeddings``.
+at ``/v1/embeddings``. A request naming a model of ``--model-repository`` that is not loaded yet waits
+while it loads (``ServerState.resolve``); ``/v1/models`` lists such models too, with ``state``
+``unloaded`` (``loading`` while its first request waits).
 """
 from __future__ import annotations
 
@@ -137,9 +139,10 @@ class Completion:
                           ts.n_tokens)
 
 
-def _generator(state: ServerState, model_id: str) -> ServedModel:
-    """A text-generation model, 400 for an encoder (naming where it is served), 404 for an unknown id."""
-    m = state.model(model_id)
+async def _generator(state: ServerState, request: Request, model_id: str) -> ServedModel:
+    """A text-generation model (loaded first when it is a repository model's first request), 400 for an
+    encoder (naming where it is served), 404 for an unknown id."""
+    m = await state.resolve(request, model_id)
     if m.kind is not ModelKind.GENERATION:
         hint = " and /v1/embeddings" if m.kind is ModelKind.EMBEDDING else ""
         raise APIError(400, f"model {model_id!r} is an encoder ({m.kind}), not a text generator: use "
@@ -156,7 +159,8 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
         if state.kind_of(model_id) is ModelKind.GENERATION:
             call.label = model_id  # the label of this request's metrics, whatever else is wrong with it
         p = parse_chat(body) if chat else parse_completion(body)
-        served = _generator(state, p.model)
+        served = await _generator(state, request, p.model)
+        call.label = served.id
         ids = prompt_ids(served.text, p)
         state.admit(served)
         data = engine_request(p, ids, state.settings.default_max_tokens if chat else 16, served.max_positions)
@@ -178,21 +182,31 @@ async def chat_completions(request: Request, state: ServerState = Depends(served
     return await _complete(request, state, "chat", chat=True)
 
 
-def _model_object(state: ServerState, m: ServedModel, snap) -> Dict[str, Any]:
+UNLOADED = "unloaded"
+"""The ``state`` of a ``--model-repository`` model no request has loaded yet."""
+
+
+def _model_object(state: ServerState, model_id: str, path: str, snap) -> Dict[str, Any]:
     """OpenAI's model object, with the model's ``state`` and its checkpoint path as ``root``."""
-    return {"id": m.id, "object": "model", "created": int(state.started), "owned_by": "computron",
-            "state": Residency.of(snap.models.get(m.id)).openai_state, "root": m.path}
+    if model_id in state.models:
+        where = Residency.of(snap.models.get(model_id)).openai_state
+    else:
+        where = Residency.LOADING.openai_state if state.registry.loading(model_id) else UNLOADED
+    return {"id": model_id, "object": "model", "created": int(state.started), "owned_by": "computron",
+            "state": where, "root": path}
 
 
 @router.get("/v1/models", dependencies=[Depends(api_key())])
 async def models(state: ServerState = Depends(served_state)):
     snap = state.engine.snapshot()
-    return json_response({"object": "list", "data": [_model_object(state, m, snap) for m in state.models.values()]})
+    listed = {**{m.id: m.path for m in state.models.values()}, **state.registry.unloaded()}
+    return json_response({"object": "list", "data": [_model_object(state, m, p, snap) for m, p in listed.items()]})
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=[Depends(api_key())])
 async def model_info(model_id: str, state: ServerState = Depends(served_state)):
-    return json_response(_model_object(state, state.model(model_id), state.engine.snapshot()))
+    path = state.registry.unloaded().get(model_id) or state.model(model_id).path
+    return json_response(_model_object(state, model_id, path, state.engine.snapshot()))
 
 
 @router.post("/v1/embeddings", dependencies=[Depends(api_key("embeddings"))])
@@ -201,7 +215,7 @@ async def embeddings(request: Request, state: ServerState = Depends(served_state
     try:
         body = await read_json(request)
         model_id = model_field(body)
-        m = state.model(model_id)
+        m = await state.resolve(request, model_id)
         if m.kind is ModelKind.GENERATION:
             raise bad("model", f"model {model_id!r} is a text-generation model and serves no embeddings")
         call.label = model_id

@@ -2,12 +2,14 @@
 
     GET  /v2                     server metadata          GET /v2/health/live, /v2/health/ready
     GET  /v2/models/{name}       model metadata           GET /v2/models/{name}/ready
-    POST /v2/models/{name}/infer (also under /versions/1/)
+    POST /v2/models/{name}/infer (each also under /versions/{v}/, v the model's current version)
 
-Only encoder and ViT models are v2 models: a causal LM answers 404 here (it lives under /v1).
-``/v2/models/*`` needs the API key when keys are set; ``/v2`` and ``/v2/health/*`` do not. Every
-answer, errors included, is in v2's shape (``errors.to_v2``; ``app.py``'s handlers for what a route
-raises).
+Only encoder and ViT models are v2 models: a causal LM's metadata and infer answer 404 here (it lives
+under /v1), but its readiness answers, as Triton's repository API (``repository.py``) loads it too.
+An infer naming a model of ``--model-repository`` not loaded yet waits while it loads. The version
+is the engine's: 1, then one more at each replace. ``/v2/models/*`` needs the API key when keys are
+set; ``/v2`` and ``/v2/health/*`` do not. Every answer, errors included, is in v2's shape
+(``errors.to_v2``; ``app.py``'s handlers for what a route raises).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..http import ClientGone, json_response, read_json
 from ..model_kind import ModelKind
 from ..state import Call, ServedModel, ServerState, api_key, served_state
 from .protocol import encode_outputs, parse_infer
+from .repository import EXTENSION
 
 log = logging.getLogger("computron.server")
 
@@ -40,14 +43,19 @@ def _v2_model(state: ServerState, name: str) -> ServedModel:
     return m
 
 
-def _check_version(name: str, version: Optional[str]) -> None:
-    if version not in (None, "1"):
-        raise V2Error(404, f"model {name!r} has no version {version!r}; versions: ['1']")
+def _version(state: ServerState, name: str) -> str:
+    """The engine's version of a served model ('1' until it is replaced)."""
+    return str(getattr(state.engine.snapshot().models.get(name), "version", 1) or 1)
+
+
+def _check_version(state: ServerState, name: str, version: Optional[str]) -> None:
+    if version is not None and version != _version(state, name):
+        raise V2Error(404, f"model {name!r} has no version {version!r}; versions: [{_version(state, name)!r}]")
 
 
 @router.get("/v2")
 async def server_metadata():
-    return json_response({"name": "computron", "version": "1", "extensions": []})
+    return json_response({"name": "computron", "version": "1", "extensions": [EXTENSION]})
 
 
 @router.get("/v2/health/live")
@@ -61,9 +69,12 @@ async def ready(state: ServerState = Depends(served_state)):
     return json_response({"ready": ok}, 200 if ok else 503)
 
 
-@router.get("/v2/models/{name:path}/ready", dependencies=[Depends(api_key())])
-async def model_ready(name: str, state: ServerState = Depends(served_state)):
-    _v2_model(state, name)
+@router.get("/v2/models/{name:path}/ready", dependencies=[Depends(api_key())])  # second: the versions route first
+@router.get("/v2/models/{name:path}/versions/{version}/ready", dependencies=[Depends(api_key())])
+async def model_ready(name: str, version: Optional[str] = None, state: ServerState = Depends(served_state)):
+    if name not in state.models:
+        raise V2Error(404, f"unknown model {name!r} (not loaded); served: {sorted(state.models)}")
+    _check_version(state, name, version)
     state.check_serving()
     return json_response({"name": name, "ready": True})
 
@@ -72,8 +83,8 @@ async def model_ready(name: str, state: ServerState = Depends(served_state)):
 @router.get("/v2/models/{name:path}/versions/{version}", dependencies=[Depends(api_key())])
 async def model_metadata(name: str, version: Optional[str] = None, state: ServerState = Depends(served_state)):
     m = _v2_model(state, name)
-    _check_version(name, version)
-    return json_response(m.understanding.metadata())
+    _check_version(state, name, version)
+    return json_response({**m.understanding.metadata(), "versions": [_version(state, name)]})
 
 
 @router.post("/v2/models/{name:path}/infer", dependencies=[Depends(api_key("v2_infer"))])
@@ -82,11 +93,14 @@ async def infer(name: str, request: Request, version: Optional[str] = None,
                 state: ServerState = Depends(served_state)) -> Response:
     call = Call(state, "v2_infer")
     try:
+        body = await read_json(request)
+        if name not in state.models and state.registry.can_load(name):
+            await state.resolve(request, name)  # a repository model's first request: load it
         served = _v2_model(state, name)
         call.label = name
-        _check_version(name, version)
+        _check_version(state, name, version)
         m = served.understanding
-        rows, want, rid = parse_infer(m, await read_json(request))
+        rows, want, rid = parse_infer(m, body)
         state.admit(served)
         out = encode_outputs(m, await state.submit_rows(request, name, rows), want, rid)
     except ClientGone:

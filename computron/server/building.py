@@ -1,0 +1,127 @@
+"""One served model from one config entry: the single path of ``computron serve``'s start-up and of the
+models added while it serves (the repository API, a model repository's first request).
+
+``build_model(entry)`` reads the checkpoint's ``config.json``, loads a causal LM's tokenizer (or builds
+an encoder's or ViT's batch manager), and makes the engine's ``ModelConfig`` (the loaders of
+``computron.loading`` with ``checkpoint=path``, so every rank reads only its own slices). It returns a
+``BuiltModel``: the server's ``ServedModel`` and that ``ModelConfig``. ``entry_for`` checks a mapping
+given while serving exactly as a ``models[i]`` entry of the config file is checked.
+
+Everything here reads files and may take seconds (tokenizers): start-up calls it before any worker
+starts; the registry calls it off the event loop (``run_in_executor``). Errors are ``ConfigError``
+naming the entry and the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from .config import ConfigError, ModelEntry, ServeConfig, parse_model
+from .model_kind import ModelKind
+from .text import ModelText
+from .v2.protocol import UnderstandingModel
+
+DEFAULT_MAX_BATCH_SIZE = 8
+"""An encoder's batch size when neither its entry nor the engine config sets one (EngineConfig's default)."""
+
+_REBUILD_FIELDS = ("path", "dtype", "max_batch_size", "queue_size", "task")
+"""The fields of an entry that only a new build can change (``pinned`` and ``priority`` are set in place)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model the server serves."""
+    id: str
+    path: str
+    kind: ModelKind
+    text: Optional[ModelText] = None
+    """A text generator's tokenizer."""
+    understanding: Optional[UnderstandingModel] = None
+    """An encoder or ViT model's batch manager and v2 metadata."""
+    max_positions: Optional[int] = None
+    """A text generator's positions: the default ``max_tokens`` fits in them."""
+    entry: Optional[ModelEntry] = None
+    """The config entry it was built from (None for models handed to ``create_app`` ready-made)."""
+
+    def same_build(self, entry: ModelEntry) -> bool:
+        """Whether ``entry`` would build this very model (same checkpoint, dtype, batch and queue bounds, task)."""
+        if self.entry is None:
+            return entry.path == self.path and all(getattr(entry, f) is None for f in _REBUILD_FIELDS[1:])
+        return all(getattr(entry, f) == getattr(self.entry, f) for f in _REBUILD_FIELDS)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    served: ServedModel
+    config: Any
+    """The engine's ``computron.config.ModelConfig``."""
+
+
+def entry_for(model_id: str, raw: Dict[str, Any], where: str) -> ModelEntry:
+    """``raw`` (the fields of a config file's model entry; ``id`` optional, and then ``model_id``) checked as
+    ``parse_model`` checks ``models[i]``, errors naming ``where``. Reads ``config.json``: off the loop."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping with the fields of a model entry (path, dtype, ...), "
+                          f"got {raw!r}")
+    if raw.get("id", model_id) != model_id:
+        raise ConfigError(f"{where}.id={raw['id']!r}: differs from the model name {model_id!r}")
+    return parse_model({**raw, "id": model_id}, where)
+
+
+def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
+                where: Optional[str] = None) -> BuiltModel:
+    """The ``ServedModel`` and ``ModelConfig`` of a checked entry (``parse_model``); ``ConfigError`` naming
+    ``where`` (default: the model id) when its config.json, tokenizer or batch manager cannot be read."""
+    from transformers import AutoConfig
+
+    from ..config import ModelConfig
+    from ..generation import CausalLMBatchManager
+    from ..loading import load_causal_lm, load_encoder
+    where = where or f"model {entry.id!r}"
+    try:
+        hf = AutoConfig.from_pretrained(entry.path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"{where}.path: {entry.path!r}: cannot read config.json: {exc}") from None
+    kwargs: Dict[str, Any] = {"path": entry.path}
+    if entry.dtype is not None:
+        kwargs["dtype"] = entry.dtype
+    common = dict(checkpoint=entry.path, queue_size=entry.queue_size, pinned=entry.pinned, priority=entry.priority)
+    if entry.kind not in (None, ModelKind.GENERATION):
+        und = _understanding_model(entry, hf, default_max_batch_size, where)
+        config = ModelConfig(entry.id, load_encoder, kwargs, batch_manager=und.batch_manager, **common)
+        return BuiltModel(ServedModel(entry.id, entry.path, und.kind, understanding=und, entry=entry), config)
+    try:
+        text = ModelText(entry.id, entry.path)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"{where}.path: {entry.path!r}: cannot load its tokenizer: "
+                          f"{type(exc).__name__}: {exc}") from None
+    n = getattr(hf, "max_position_embeddings", None)
+    bm = None
+    if entry.max_batch_size is not None:
+        bm = CausalLMBatchManager.for_config(hf, max_batch_size=entry.max_batch_size)
+    config = ModelConfig(entry.id, load_causal_lm, kwargs, batch_manager=bm, **common)
+    served = ServedModel(entry.id, entry.path, ModelKind.GENERATION, text=text,
+                         max_positions=n if isinstance(n, int) else None, entry=entry)
+    return BuiltModel(served, config)
+
+
+def _understanding_model(entry: ModelEntry, hf, default_max_batch_size: Optional[int],
+                         where: str) -> UnderstandingModel:
+    """The batch manager (from ``computron.understanding``) of an encoder or ViT entry, wrapped for the
+    v2 routes."""
+    from ..understanding import (EmbeddingBatchManager, ImageClassificationBatchManager,
+                                 TextClassificationBatchManager)
+    cls = {ModelKind.EMBEDDING: EmbeddingBatchManager, ModelKind.IMAGE_CLS: ImageClassificationBatchManager}.get(
+        entry.kind, TextClassificationBatchManager)
+    bs = entry.max_batch_size or default_max_batch_size or DEFAULT_MAX_BATCH_SIZE
+    try:
+        bm = cls.for_checkpoint(entry.path, max_batch_size=bs)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"{where}.path: {entry.path!r}: cannot build its {entry.kind} batch manager: "
+                          f"{type(exc).__name__}: {exc}") from None
+    return UnderstandingModel(entry.id, entry.path, entry.kind, bm, hidden_size=getattr(hf, "hidden_size", None))
+
+
+def build_models(cfg: ServeConfig) -> List[BuiltModel]:
+    """Every model of the config file, in its order (``build_model``), before any worker starts."""
+    return [build_model(m, cfg.engine.max_batch_size, f"models[{i}]") for i, m in enumerate(cfg.models)]
