@@ -336,3 +336,6 @@ class Stats:
     """KV caches of paused sequences parked in host memory."""
     host_resident: tuple = ()
     """Models whose shard this rank holds in host memory (the others wait on disk: disk tier)."""
+    lora_fills: int = 0
+    """LoRA adapters brought into a device slot so far (all models), and the seconds those copies took."""
+    lora_fill_s: float = 0.0

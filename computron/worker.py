@@ -306,7 +306,9 @@ class Worker(ModelChanges):
             device_reserved_bytes=self._reserved_bytes(),
             host_bytes=sum(s.host_bytes() for s in self.stores.values()),
             resident=tuple(m for m, s in self.stores.items() if s.resident),
-            kv_bytes=self.kv_bytes(), host_kv_bytes=self.host_kv_bytes(), host_resident=self.host_resident()))
+            kv_bytes=self.kv_bytes(), host_kv_bytes=self.host_kv_bytes(), host_resident=self.host_resident(),
+            lora_fills=sum(s.fills for s in self.lora.values()),
+            lora_fill_s=sum(s.fill_s for s in self.lora.values())))
 
     def _reserved_bytes(self) -> int:
         """Device memory held for reuse beyond what is allocated."""

@@ -23,6 +23,7 @@ leaves the device. Not thread-safe: call it from the thread that runs the runner
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Sequence, Tuple
@@ -82,6 +83,9 @@ class LoraSlots:
         self._idx: Optional[torch.Tensor] = None
         self._uniform: Optional[int] = None
         self._r = 0
+        self.fills, self.fill_s = 0, 0.0
+        """Adapters brought into a device slot so far, and the seconds their copies took (a CUDA copy is
+        waited for, so the time is the transfer's)."""
 
     # ---- host copies -----------------------------------------------------------------------------
     def add(self, adapter_id: str, rank_adapter: RankAdapter) -> None:
@@ -152,7 +156,11 @@ class LoraSlots:
             for a in used:
                 if a not in self._slot_of:
                     slot = self._free_slot(used)
+                    t0 = time.perf_counter()
                     self._fill(a, slot)
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                    self.fills, self.fill_s = self.fills + 1, self.fill_s + time.perf_counter() - t0
                     self._slot_of[a] = slot
                 self._slot_of.move_to_end(a)
             slots = [self._slot_of[a] if a is not None else 0 for a in rows]

@@ -1,0 +1,199 @@
+"""LoRA benchmark: many fine-tunes as adapters on one resident base, against the same fine-tunes merged.
+
+Prints exactly one JSON line on stdout; progress goes to stderr.
+
+A random-weight ``--model`` checkpoint (OPT shape) and ``--adapters`` PEFT LoRA adapters of rank
+``--rank`` on every attention projection (q, k, v, out) are written to ``--dir`` once and reused, with
+the same adapters merged into full checkpoints (``merge_and_unload``). Measured in one run:
+
+- ``mixed_batch_tokens_per_s_ratio``: 8 sequences on 8 different adapters in one batch vs 8 on the bare
+  base (same prompts and lengths), tokens per second of the whole batch, median of ``--repeats`` pairs run
+  alternately (target >= 0.6);
+- ``adapter_load_vs_base_load``: seconds to bring one adapter into a device slot (the workers' own
+  measurement of the host-to-device copy, slowest rank, mean over the adapters' first use) / seconds of
+  the base's load from host memory (its ``SwapRecord``, slowest rank) (target <= 0.05); also
+  ``adapter_add_s`` (``Engine.add_model`` of one more adapter: disk to every rank's host memory, and
+  the round trip);
+- ``rate_ratio_vs_merged``: the same Poisson arrivals (``--rate`` requests/s for ``--duration`` s, spread
+  evenly over the fine-tunes) served by one engine holding the base and its adapters and by one engine
+  holding the merged checkpoints (``max_loaded=1`` both: one model resident, as when a device holds one
+  base): **mean latency** of the merged engine / that of the adapter engine (target >= 3), with both
+  engines' loads, mean and p99 latency.
+
+    .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (a few minutes)
+    .venv/bin/python benchmarks/lora.py --quick         # opt-tiny, short trace (the tests' path)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
+
+from workload import machine_info  # noqa: E402
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="opt-125m", help="zoo OPT shape of the base (random weights)")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per sequence in the batch comparison")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second of the trace (all fine-tunes)")
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--trace-tokens", type=int, default=8, help="new tokens per request of the trace")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench", "lora"))
+    p.add_argument("--quick", action="store_true", help="opt-tiny, 4 adapters of rank 8, a 5 s trace")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.adapters, args.rank, args.tokens, args.repeats = "opt-tiny", 4, 8, 8, 1
+        args.rate, args.duration, args.trace_tokens = 4.0, 5.0, 4
+    return args
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def write_checkpoints(args) -> tuple:
+    """(base dir, [adapter dirs], [merged dirs]), written once under ``--dir``."""
+    from peft import PeftModel
+
+    from computron import zoo
+    from computron.testing.zoo_lora import save_random_lora
+    root = os.path.join(args.dir, f"{args.model}-r{args.rank}")
+    base = os.path.join(root, "base")
+    if not os.path.exists(os.path.join(base, "config.json")):
+        log(f"writing {args.model} to {base}")
+        zoo.save_random_causal_lm(args.model, base, seed=args.seed)
+    adapters, merged = [], []
+    for i in range(args.adapters + 1):  # the last one is added while serving
+        a = os.path.join(root, f"adapter{i}")
+        if not os.path.exists(os.path.join(a, "adapter_config.json")):
+            save_random_lora(base, a, seed=100 + i, r=args.rank, alpha=2 * args.rank, targets=ATTENTION)
+        adapters.append(a)
+        if i == args.adapters:
+            continue
+        m = os.path.join(root, f"merged{i}")
+        if not os.path.exists(os.path.join(m, "config.json")):
+            log(f"merging adapter {i} into {m}")
+            model = PeftModel.from_pretrained(zoo.load_causal_lm(base), a).merge_and_unload()
+            model.save_pretrained(m)
+        merged.append(m)
+    return base, adapters, merged
+
+
+def trace(args, ids):
+    rng = np.random.default_rng(args.seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.exponential(1.0 / args.rate)
+        if t >= args.duration:
+            return out
+        out.append((t, ids[len(out) % len(ids)]))
+
+
+async def replay(engine, arrivals, prompt, n):
+    t0 = time.perf_counter()
+
+    async def one(at, model_id):
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))  # the trace's arrival time
+        start = time.perf_counter()
+        await engine.submit(model_id, {"input_ids": prompt, "max_tokens": n})
+        return time.perf_counter() - start
+    lat = await asyncio.gather(*[one(at, m) for at, m in arrivals])
+    return np.array(lat)
+
+
+async def batch_tokens_per_s(engine, ids, prompt, n) -> float:
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[engine.submit(m, {"input_ids": prompt, "max_tokens": n}) for m in ids])
+    return sum(len(o) for o in outs) / (time.perf_counter() - t0)
+
+
+def lora_fills(stats) -> tuple:
+    """(seconds of the slowest rank, adapter fills) of device-slot fills so far."""
+    return max(s.lora_fill_s for s in stats.values()), min(s.lora_fills for s in stats.values())
+
+
+async def adapters_run(args, base, adapters, arrivals, prompt) -> dict:
+    from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
+    ids = [f"ft{i}" for i in range(args.adapters)]
+    configs = [ModelConfig("base", zoo.load_causal_lm, {"path": base})]
+    configs += [ModelConfig(m, base="base", adapter=a) for m, a in zip(ids, adapters)]
+    log(f"[adapters] base {args.model} + {len(ids)} adapters of rank {args.rank}, TP={args.tp}")
+    engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1, max_loras=len(ids),
+                                                                max_lora_rank=max(64, args.rank)),
+                                     configs, args.tp)
+    out = {}
+    async with engine:
+        await engine.submit("base", {"input_ids": prompt, "max_tokens": 2})  # loads the base
+        base_load = max(r.end - r.start for r in engine.metrics("load") if r.model_id == "base")
+        fill0, n0 = lora_fills(await engine.stats_async())
+        mixed, bare = [], []
+        for k in range(args.repeats):
+            mixed.append(await batch_tokens_per_s(engine, ids, prompt, args.tokens))
+            if k == 0:
+                fill1, n1 = lora_fills(await engine.stats_async())
+            bare.append(await batch_tokens_per_s(engine, ["base"] * len(ids), prompt, args.tokens))
+        fill_s = (fill1 - fill0) / max(1, n1 - n0)
+        t0 = time.perf_counter()
+        await engine.add_model(ModelConfig("late", base="base", adapter=adapters[-1]))
+        out["adapter_add_s"] = time.perf_counter() - t0
+        lat = await replay(engine, arrivals, prompt, args.trace_tokens)
+        out.update({"mixed_tokens_per_s": float(np.median(mixed)), "bare_tokens_per_s": float(np.median(bare)),
+                    "adapter_fill_s": fill_s, "adapter_fills": n1 - n0, "base_load_s": base_load,
+                    "trace_mean_latency_s": float(lat.mean()), "trace_p99_latency_s": float(np.percentile(lat, 99)),
+                    "trace_loads": len(engine.metrics("load"))})
+    return out
+
+
+async def merged_run(args, merged, arrivals, prompt) -> dict:
+    from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
+    configs = [ModelConfig(f"ft{i}", zoo.load_causal_lm, {"path": m}) for i, m in enumerate(merged)]
+    log(f"[merged] {len(configs)} merged {args.model} checkpoints, TP={args.tp}, max_loaded=1")
+    engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1), configs, args.tp)
+    async with engine:
+        lat = await replay(engine, arrivals, prompt, args.trace_tokens)
+        return {"trace_mean_latency_s": float(lat.mean()), "trace_p99_latency_s": float(np.percentile(lat, 99)),
+                "trace_loads": len(engine.metrics("load"))}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    base, adapters, merged = write_checkpoints(args)
+    prompt = [2] + list(range(10, 25))
+    arrivals = trace(args, [f"ft{i}" for i in range(args.adapters)])
+    log(f"trace: {len(arrivals)} requests over {args.duration}s")
+    a = asyncio.run(adapters_run(args, base, adapters, arrivals, prompt))
+    log(f"[adapters] {json.dumps(a)}")
+    m = asyncio.run(merged_run(args, merged, arrivals, prompt))
+    log(f"[merged] {json.dumps(m)}")
+    doc = {"benchmark": "lora", "model": args.model, "adapters": args.adapters, "rank": args.rank,
+           "targets_modules": list(ATTENTION), "tp": args.tp, "trace_requests": len(arrivals),
+           "rate": args.rate, "duration_s": args.duration,
+           "mixed_batch_tokens_per_s_ratio": a["mixed_tokens_per_s"] / a["bare_tokens_per_s"],
+           "adapter_load_vs_base_load": a["adapter_fill_s"] / a["base_load_s"],
+           "rate_ratio_vs_merged": m["trace_mean_latency_s"] / a["trace_mean_latency_s"],
+           "rate_ratio_measure": "mean latency (merged / adapters), same arrivals",
+           "adapters_engine": a, "merged_engine": m,
+           "targets": {"mixed_batch_tokens_per_s_ratio": ">= 0.6", "adapter_load_vs_base_load": "<= 0.05",
+                       "rate_ratio_vs_merged": ">= 3"},
+           "machine": machine_info()}
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

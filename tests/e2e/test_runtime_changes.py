@@ -1,0 +1,35 @@
+"""Model changes while serving, end to end: benchmarks/model_changes.py at tiny sizes (the path its full run
+takes, so it cannot break unseen) and examples/runtime/models_and_adapters.py as the README runs it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.timeout(300)
+def test_model_changes_benchmark_quick_path(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "model_changes.py"), "--quick",
+                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-4000:]
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    assert doc["benchmark"] == "model_changes" and len(doc["adds"]) == 1
+    assert doc["steps_during_adds"] > 0 and doc["median_step_ms"] > 0
+    assert doc["gap_ratio"] == pytest.approx(doc["max_gap_during_add_ms"] / doc["median_step_ms"])
+    assert all(b > 0 for b in doc["adds"][0]["shard_bytes_per_rank"].values())
+
+
+@pytest.mark.timeout(300)
+def test_runtime_example_runs(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "runtime", "models_and_adapters.py"),
+                          "--tp", "1", "--shape", "opt-tiny", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("added 'code' in") and "models: ['chat', 'code']" in lines[0]
+    answers = {line.split()[0]: line.split("->")[1].strip() for line in lines[1:4]}
+    assert set(answers) == {"chat", "chat-ft0", "chat-ft1"} and len(set(answers.values())) == 3
+    assert "(version 2)" in lines[4] and lines[5].startswith("removed; still served: ['chat']")
