@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.computron-installed
 # installed without its pins (they would replace torch and transformers), plus what its CLI needs.
 TORCH       := torch==2.13.0
 DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout psutil \
-               fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]"
+               fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]" peft \
+               "ray>=2.40"
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 

@@ -9,10 +9,11 @@ setup(
     entry_points={"console_scripts": ["computron = computron.server.cli:main"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5,<6", "numpy", "safetensors", "tokenizers", "pyyaml",
-                      "fastapi", "uvicorn", "prometheus_client", "pillow"],
+                      "fastapi", "uvicorn", "prometheus_client", "pillow", "peft"],
     extras_require={
         "experiments": ["matplotlib"],
         "test": ["pytest", "pytest-timeout", "psutil", "openai", "httpx", "selenium", "tritonclient[http]"],
         "launcher": ["psutil", "click", "fabric"],
+        "ray": ["ray>=2.40"],
     },
 )

@@ -27,7 +27,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -210,9 +210,30 @@ def _check_target_names(adapter_id: str, config, fam) -> None:
             raise AdapterError(adapter_id, f"targets module {t!r}: {what}; targets may be {sorted(known)}")
 
 
-def _check_tensors(adapter_id: str, header: Dict[str, Dict[str, Any]], fam, base_config, r: int
+def _peft_loads(config, module_key: str, layer: int) -> bool:
+    """Whether PEFT would put a LoRA layer on ``module_key`` (as ``PeftModel`` names it) for ``config``: a
+    tensor it would not is dropped by PEFT, so serving it would compute something else."""
+    layers = config.layers_to_transform
+    if layers is not None and layer not in ([layers] if isinstance(layers, int) else layers):
+        return False
+    if _names(config.exclude_modules, module_key):
+        return False
+    return config.target_modules in (None, "all-linear") or _names(config.target_modules, module_key)
+
+
+def _names(names, module_key: str) -> bool:
+    """PEFT's matching: a string is a regex of the whole key, a list names keys or their dotted suffixes."""
+    if not names:
+        return False
+    if isinstance(names, str):
+        return re.fullmatch(names, module_key) is not None
+    return any(module_key == n or module_key.endswith("." + n) for n in names)
+
+
+def _check_tensors(adapter_id: str, header: Dict[str, Dict[str, Any]], fam, base_config, config
                    ) -> Tuple[Tuple[str, ...], Tuple[int, ...], int, str]:
     """(target paths, layers, nbytes, dtype) of a header checked against the base's layout and shapes."""
+    r = int(config.r)
     try:
         shapes = linear_shapes(fam.name, base_config)
         n_layers = int(base_config["num_hidden_layers"])
@@ -237,6 +258,9 @@ def _check_tensors(adapter_id: str, header: Dict[str, Dict[str, Any]], fam, base
         if layer >= n_layers:
             raise AdapterError(adapter_id, f"tensor {key!r} is for layer {layer}, but the base has "
                                            f"num_hidden_layers={n_layers}")
+        if not _peft_loads(config, key[len("base_model.model."):].rsplit(".lora_", 1)[0], layer):
+            raise AdapterError(adapter_id, f"tensor {key!r} is outside what its target_modules/exclude_modules/"
+                                           "layers_to_transform select: PEFT would not load it")
         dt = _ST_DTYPES.get(entry.get("dtype"))
         if dt is None:
             raise AdapterError(adapter_id, f"tensor {key!r} has dtype {entry.get('dtype')!r}; LoRA weights must "
@@ -289,7 +313,7 @@ def check_adapter(adapter_id: str, path: str, base_config: Mapping[str, Any]) ->
     if r <= 0:
         raise AdapterError(adapter_id, f"r={r} must be positive")
     header = read_safetensors_header(adapter_id, weights)
-    targets, layers, nbytes, dtype = _check_tensors(adapter_id, header, fam, base_config, r)
+    targets, layers, nbytes, dtype = _check_tensors(adapter_id, header, fam, base_config, config)
     alpha = float(config.lora_alpha)
     scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
     return AdapterInfo(adapter_id=adapter_id, path=os.path.abspath(path), r=r, alpha=alpha, scaling=scaling,

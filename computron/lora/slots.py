@@ -2,10 +2,12 @@
 
 The adapters of one base live in host memory (``weights.RankAdapter``, added and removed by commands);
 ``max_loras`` of them at a time also live in *device slots*: for every base Linear some adapter changes,
-two persistent stacks ``A`` [max_loras + 1, max_rank, in] and ``Bt`` [max_loras + 1, max_rank, out]
-(``Bt`` = scaling * B^T: stored transposed so that filling a slot is two contiguous copies). Slot 0 stays
-zero: the bare base's rows. A rank below ``max_rank`` is zero-padded, and a module an adapter does not
-change holds zeros in its slot, so every row can run through the same two batched matmuls::
+two persistent stacks ``A`` [slots + 1, R, in] and ``Bt`` [slots + 1, R, out] (``Bt`` = scaling * B^T:
+stored transposed so that filling a slot is two contiguous copies), with ``slots`` = min(max_loras, adapters
+added) and ``R`` the highest rank added (at most ``max_rank``): device memory follows the adapters there
+are, not the limits. Slot 0 stays zero: the bare base's rows. A rank below ``R`` is zero-padded, and a
+module an adapter does not change holds zeros in its slot, so every row can run through the same two
+batched matmuls::
 
     h = bmm(x, A[idx, :r]^T)        # [batch, seq, r]; all-reduced over the TP group when the base is
     y = y + bmm(h, Bt[idx, :r])     #   row-parallel (x is then this rank's slice of the in-features)
@@ -83,9 +85,15 @@ class LoraSlots:
         self._idx: Optional[torch.Tensor] = None
         self._uniform: Optional[int] = None
         self._r = 0
-        self.fills, self.fill_s = 0, 0.0
-        """Adapters brought into a device slot so far, and the seconds their copies took (a CUDA copy is
-        waited for, so the time is the transfer's)."""
+        self._shape: Optional[Tuple[int, int]] = None
+        """(slots incl. the zero slot, rank) of the allocated stacks: what the added adapters need, grown
+        (and refilled lazily) as adapters come, never more than (max_loras + 1, max_rank)."""
+        self.fills = 0
+        """Adapters brought into a device slot so far (``fill_s``: the seconds their copies took)."""
+        self._fill_s = 0.0
+        self._fill_events: list = []
+        """CUDA: (start, end) events of fills not yet added to ``_fill_s`` (timed on the stream, never
+        waited for in a step: ``fill_s`` reads them when asked)."""
 
     # ---- host copies -----------------------------------------------------------------------------
     def add(self, adapter_id: str, rank_adapter: RankAdapter) -> None:
@@ -155,12 +163,7 @@ class LoraSlots:
             self._allocate()
             for a in used:
                 if a not in self._slot_of:
-                    slot = self._free_slot(used)
-                    t0 = time.perf_counter()
-                    self._fill(a, slot)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()
-                    self.fills, self.fill_s = self.fills + 1, self.fill_s + time.perf_counter() - t0
+                    slot = self._timed_fill(a, used)
                     self._slot_of[a] = slot
                 self._slot_of.move_to_end(a)
             slots = [self._slot_of[a] if a is not None else 0 for a in rows]
@@ -188,33 +191,67 @@ class LoraSlots:
         finally:
             self.deactivate()
 
+    def _timed_fill(self, adapter_id: str, in_use: Tuple[str, ...]) -> int:
+        slot = self._free_slot(in_use)
+        self.fills += 1
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            self._fill(adapter_id, slot)
+            self._fill_s += time.perf_counter() - t0
+            return slot
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._fill(adapter_id, slot)
+        end.record()
+        self._fill_events.append((start, end))
+        return slot
+
+    @property
+    def fill_s(self) -> float:
+        """Seconds the device-slot fills took so far (on CUDA, waits for the last fill's copy to end)."""
+        for start, end in self._fill_events:
+            end.synchronize()
+            self._fill_s += start.elapsed_time(end) / 1e3
+        self._fill_events.clear()
+        return self._fill_s
+
     def drop_device(self) -> None:
         """The base leaves the device: free every slot (the host copies stay)."""
         if self._active is not None:
             raise RuntimeError("LoraSlots.drop_device during a forward")
+        self._free_stacks()
+
+    def _free_stacks(self) -> None:
         for t in self._targets.values():
             t.A = t.Bt = None
         self._slot_of.clear()
+        self._shape = None
 
     # ---- internals -------------------------------------------------------------------------------
     def _module(self, key: Tuple[int, str]) -> torch.nn.Module:
         return self.runner.base.layers[key[0]].get_submodule(key[1])
 
     def _allocate(self) -> None:
-        """Zeroed stacks for every target that has none (a new target: no resident adapter changes it)."""
+        """Zeroed stacks for every target that has none (a new target: no resident adapter changes it),
+        sized for the added adapters: more of them, or a higher rank, than the stacks hold frees them all
+        first (the resident adapters are copied in again as steps use them; adding adapters is rare)."""
+        need = (min(self.max_loras, len(self._host)) + 1, max(ra.r for ra in self._host.values()))
+        if self._shape is None or need[0] > self._shape[0] or need[1] > self._shape[1]:
+            self._free_stacks()
+            self._shape = need
+        n, rank = self._shape
         for t in self._targets.values():
             if t.A is None:
                 dtype = self._module(t.key).weight.dtype
-                n = self.max_loras + 1
-                t.A = torch.zeros(n, self.max_rank, t.in_local, dtype=dtype, device=self.device)
-                t.Bt = torch.zeros(n, self.max_rank, t.out_local, dtype=dtype, device=self.device)
+                t.A = torch.zeros(n, rank, t.in_local, dtype=dtype, device=self.device)
+                t.Bt = torch.zeros(n, rank, t.out_local, dtype=dtype, device=self.device)
 
     def _free_slot(self, in_use: Tuple[str, ...]) -> int:
         taken = set(self._slot_of.values())
-        for s in range(1, self.max_loras + 1):
+        for s in range(1, self._shape[0]):
             if s not in taken:
                 return s
-        victim = next(a for a in self._slot_of if a not in in_use)  # exists: len(in_use) <= max_loras
+        victim = next(a for a in self._slot_of if a not in in_use)  # exists: len(in_use) <= slots
         return self._slot_of.pop(victim)
 
     def _fill(self, adapter_id: str, slot: int) -> None:

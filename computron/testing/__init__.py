@@ -5,7 +5,8 @@
 - ``zoo_understanding``: random BERT, RoBERTa and ViT models with task heads and label sets, written with
   their tokenizer or image processor;
 - ``tokenizer_zoo``: the one tokenizer trainer (byte-level BPE for the causal LMs and RoBERTa, WordPiece
-  for BERT) on text that ships with this package, and checkpoints saved with a tokenizer.
+  for BERT) on text that ships with this package, and checkpoints saved with a tokenizer;
+- ``zoo_lora``: PEFT LoRA adapters with seeded random A and B (both non-zero) for the causal-LM checkpoints.
 
 Nothing here is production code: the loaders that read such checkpoints (``computron serve``'s) live in
 :mod:`computron.loading`. ``computron.zoo``, ``computron.zoo_understanding`` and
