@@ -10,7 +10,8 @@ priorities asks the policy here for the order: the candidate with the lowest ``k
   model has a value ``H = L + rate * reload_s``, set when it is used; the lowest ``H`` leaves, and the
   floor ``L`` rises to the victim's ``H`` on each eviction, so a model that stops being used ages out
   (newly refreshed models start above its stale value) instead of keeping a slot earned long ago.
-  ``rate`` is the model's recent request rate, ``reload_s`` what loading it again takes.
+  ``rate`` is the model's recent request rate, ``reload_s`` what loading it again takes. It also evicts
+  no more than needed: a cheap victim that a later, bigger one made unnecessary stays.
 
 Every policy gets the same events (``touch``, ``evicted``, ``note_arrival``, ``record_load``, ``add``,
 ``remove``); those it has no use for are no-ops.
@@ -32,6 +33,9 @@ class LruEviction:
     """The least recently used candidate leaves first."""
 
     name = "lru"
+    spare_unneeded = False
+    """Whether the scheduler keeps victims that a later, bigger victim made unnecessary (LRU: evicts in
+    order until the model fits, as it always did)."""
 
     def __init__(self) -> None:
         self._clock = 0
@@ -72,6 +76,9 @@ class CostEviction(LruEviction):
     """
 
     name = "cost"
+    spare_unneeded = True
+    """Evicting a model that is not needed is a cost with no use: once a bigger victim made the room,
+    the earlier, smaller ones stay (the most valuable first)."""
 
     def __init__(self, sizes: Dict[str, int], half_life_s: float = HALF_LIFE_S) -> None:
         super().__init__()

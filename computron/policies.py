@@ -5,7 +5,11 @@ which re-exports them) decides and tracks.
 
 ``Policy`` names the rule that decides when a waiting model may take the slot of one with live
 sequences (``RunToCompletion``, ``Quantum``, ``Deadline``; ``POLICY_RULES`` maps each name to its
-rules); the scheduler applies them (``scheduler.py``). ``choose_recompute`` picks the paused
+rules); the scheduler applies them (``scheduler.py``). Under ``quantum`` a waiting model may preempt a
+running one once its turn (time since its first step after loading) reached ``quantum_s`` and it had
+``MIN_TURN_STEPS`` steps; under ``deadline``, once the waiting model's oldest request has used half of
+``ttft_slo_s`` and the victim had a minimal turn, or at once when it has waited ``4 * ttft_slo_s``
+(anti-starvation; such a model is also visited first). ``choose_recompute`` picks the paused
 sequences whose KV cache is cheaper to rebuild than to copy to host memory and back.
 """
 from __future__ import annotations

@@ -30,21 +30,15 @@ Rules:
   and evicted last, whatever the eviction policy;
 - a model that has just loaded is not evicted before its first batch;
 - token-level generation (``running``: models with live sequences): such a
-  model is never evicted by the rules above. Under the ``quantum`` policy a
-  waiting model may preempt it once its turn (time since its first step after
-  loading) reached ``quantum_s`` and it had ``MIN_TURN_STEPS`` steps; under ``deadline``, once the waiting model's
-  oldest request has used half of ``ttft_slo_s`` and the victim had a minimal
-  turn, or at once when it has waited ``4 * ttft_slo_s`` (anti-starvation; such
-  a model is also visited first). Preemption queues the victim's offload behind
-  its step in flight and the waiting model's load right behind that; the
-  victim's sequences pause, and resume when it is loaded again.
+  model is never evicted by the rules above, only preempted under the policy
+  (``policies.py``: when, and which model goes first). Preemption queues the
+  victim's offload behind its step in flight and the waiting model's load right
+  behind that; the victim's sequences pause, and resume when it is loaded again.
 
-The policies' own rules, and ``choose_recompute``, are in ``policies.py``.
-
-Models may be added and removed while serving (``add_model``, ``remove_model``),
-and pinned or given a priority (``set_pinned``, ``set_priority``); the engine
-reports each admitted request (``note_arrival``) and each measured load
-(``record_load``) for the eviction policy's estimates.
+Models may be added and removed while serving (``add_model``, ``remove_model``,
+``set_pinned``, ``set_priority``); the engine reports each admitted request
+(``note_arrival``) and each measured load (``record_load``) for the eviction
+policy's estimates.
 """
 from __future__ import annotations
 
@@ -104,8 +98,7 @@ class Scheduler:
         self.eviction = eviction
         for m in self.model_ids:
             self._eviction.add(m)
-        self._now: Optional[float] = None
-        """The latest caller's clock seen (``decide``'s ``now``, arrivals), for the eviction policy."""
+        self._now: Optional[float] = None  # the latest caller's clock seen (decide, arrivals): for the eviction
         # victim -> model whose load waits for the victim's slot
         self._slot_promised: Dict[str, str] = {}
         # models whose OFFLOAD is already queued behind their in-flight batches
@@ -239,7 +232,7 @@ class Scheduler:
                 idle.remove(v)
                 victims.append(v)
                 leaving.add(v)
-            if getattr(self._eviction, "spare", False):
+            if self._eviction.spare_unneeded:
                 self._spare(m, victims, leaving)
             if victims and self._fits(m, leaving):
                 for v in victims:
@@ -392,9 +385,7 @@ class Scheduler:
         if state not in (ModelState.OFFLOADED, ModelState.LOADED) or busy:
             raise RuntimeError(f"model {m!r} is {state.value}{' with ' + busy if busy else ''}: it can be "
                                "removed once offloaded, or loaded with nothing in flight")
-        for v in [v for v, w in self._slot_promised.items() if w == m]:
-            del self._slot_promised[v]
-        self._slot_promised.pop(m, None)
+        self._slot_promised = {v: w for v, w in self._slot_promised.items() if m not in (v, w)}
         for d in (self.states, self.inflight, self.sizes, self.priority, self._order, self._turn_start,
                   self._turn_runs):
             d.pop(m, None)

@@ -69,7 +69,8 @@ class Swaps:
             recompute = self._token_level.preempt(m, target, self._sched.policy, now)
             cause = f"preempted ({self._sched.policy} policy) for {target}"
         else:
-            cause = f"evicted (least recently used) to make room for {target}"
+            why = "least recently used" if self._sched.eviction == "lru" else "lowest expected reload cost"
+            cause = f"evicted ({why}) to make room for {target}"
         log.info("offloading %s: %s", m, cause)
         self._tracker.send(CommandKind.OFFLOAD, m, lambda seq: msg.Offload(seq, m, recompute=recompute),
                            start=now, cause=cause, recompute=recompute)
@@ -94,16 +95,19 @@ class Swaps:
                      "read_gbps": read_bytes / read_s / 1e9 if read_s > 0 else None} if loaded else {}
             self._telemetry.swap_done(m, kind, seconds, nbytes, now, **extra)
         if p.kind is CommandKind.LOAD:
-            self._loaded(m, seconds, nbytes, error)
+            slowest = max((end - start for start, end in p.rank_times().values()), default=seconds)
+            self._loaded(m, seconds, nbytes, error, slowest)
         else:
             self._offloaded(p, seconds, now, error)
 
-    def _loaded(self, m: str, seconds: float, nbytes: int, error: Optional[str]) -> None:
+    def _loaded(self, m: str, seconds: float, nbytes: int, error: Optional[str], slowest_s: float) -> None:
+        """``seconds``: from sending the load to its last reply (it may have waited behind batches in
+        flight); ``slowest_s``: the slowest rank's own copy, what the eviction policy's reload cost uses."""
         if error is None:
             log.info("loaded %s in %.3f s (%.3f GB, %.2f GB/s over %d ranks)", m, seconds, nbytes / 1e9,
                      nbytes / seconds / 1e9 if seconds > 0 else 0.0, self._n_workers)
             self._sched.on_loaded(m)
-            self._sched.record_load(m, seconds, nbytes)
+            self._sched.record_load(m, slowest_s, nbytes)
             return
         log.error("loading %s failed: %s", m, error)
         self._sched.on_load_failed(m)

@@ -35,6 +35,19 @@ def test_names_and_config():
     with pytest.raises(ValueError, match=r"EngineConfig.eviction='fifo': must be one of"):
         EngineConfig(eviction="fifo")
     assert EngineConfig(eviction="cost").eviction == "cost"
+    assert EngineConfig().eviction == "lru"
+
+
+def test_make_scheduler_passes_the_eviction_policy():
+    from computron import messages as msg
+    from computron.budget import make_scheduler
+    from computron.config import ModelConfig
+    workers = [msg.WorkerReady(rank=0, pid=1, host="h", device="cpu", host_bytes={"a": 100, "b": 300})]
+    configs = [ModelConfig(m, dict) for m in ("a", "b")]
+    s = make_scheduler(EngineConfig(eviction="cost", max_loaded=None, device_budget=1000), configs, workers)
+    assert s.eviction == "cost" and isinstance(s._eviction, CostEviction)
+    assert s.sizes == {"a": 110, "b": 330}
+    assert make_scheduler(EngineConfig(), configs, workers).eviction == "lru"
 
 
 def test_rate_halves_every_half_life_and_tracks_a_steady_rate():
@@ -150,3 +163,16 @@ def test_cost_ranks_never_asked_models_least_recently_used_first():
         assert s.decide({m: 0.0}) == [run(m)]
         s.on_batch_done(m)
     assert s.decide({"c": 1.0}) == [offload("b")]
+
+
+def test_cost_keeps_a_victim_that_a_bigger_one_made_unnecessary():
+    """The cheap model goes first in cost order, but the big one alone makes the room: the cheap one stays.
+    LRU evicts in its order until the model fits, both here."""
+    def scenario(eviction):
+        sizes = {"small": 100, "big": 300, "new": 300}
+        s = Scheduler(list(sizes), None, sizes=sizes, device_budget=450, max_inflight=1, eviction=eviction)
+        serve(s, "small", 0.0)
+        serve(s, "big", 0.1, arrivals=5)
+        return victims(s, "new", 0.2)
+    assert scenario("lru") == ["small", "big"]
+    assert scenario("cost") == ["big"]

@@ -1,0 +1,31 @@
+"""benchmarks/residency.py --quick: both eviction policies replay the same trace through real engines."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.timeout(480)
+def test_residency_benchmark_quick_path():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "residency.py"), "--quick"],
+                         capture_output=True, text=True, timeout=460)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout[-2000:]
+    doc = json.loads(lines[0])
+    assert doc["benchmark"] == "residency"
+    for key in ("bytes_moved_ratio", "ttft_p99_ratio", "targets", "sizes", "budget", "rates", "zipf"):
+        assert key in doc, key
+    sizes = doc["sizes"]
+    assert max(sizes.values()) >= 3 * min(sizes.values())        # mixed sizes
+    assert doc["budget"] < sum(sizes.values())                   # the models contend for the budget
+    for policy in ("lru", "cost"):
+        run_ = doc[policy]
+        assert run_["requests"] == doc["requests"] and run_["errors"] == 0, (policy, run_)
+        assert run_["loads"] > 0 and run_["bytes_loaded"] > 0
+        assert run_["ttft_p99"] >= run_["ttft_p50"] > 0
+    assert set(doc["targets"]) == {"bytes_moved_ratio", "ttft_p99_ratio"}
