@@ -33,3 +33,17 @@ def test_runtime_example_runs(tmp_path):
     answers = {line.split()[0]: line.split("->")[1].strip() for line in lines[1:4]}
     assert set(answers) == {"chat", "chat-ft0", "chat-ft1"} and len(set(answers.values())) == 3
     assert "(version 2)" in lines[4] and lines[5].startswith("removed; still served: ['chat']")
+
+
+@pytest.mark.timeout(600)
+def test_lora_benchmark_quick_path(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "lora.py"), "--quick", "--dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=580)
+    assert run.returncode == 0, run.stderr[-4000:]
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    assert doc["benchmark"] == "lora"
+    for key in ("mixed_batch_tokens_per_s_ratio", "adapter_load_vs_base_load", "rate_ratio_vs_merged"):
+        assert doc[key] > 0, key
+    a, m = doc["adapters_engine"], doc["merged_engine"]
+    assert a["adapter_fills"] == doc["adapters"] and a["trace_loads"] == 1  # one base load serves every adapter
+    assert m["trace_loads"] > 1
