@@ -38,3 +38,5 @@ $PY experiments/llm_sim.py --configs 0,1,4 --duration 40 --rate-scale 0.1 --bise
   --bisect-duration 20 --bisect-hi 0.4 --out $R/llm_sim_opt-125m.json --plot-dir $F $PUBLISH
 $PY experiments/llm_sim.py --configs "" --modes request,rtc,quantum,deadline --ttft-slo 6 --bisect 1 \
   --bisect-steps 4 --bisect-duration 20 --bisect-hi 1.0 --out $R/llm_sim_bisect_opt-125m.json --plot-dir $F $PUBLISH
+# many engine groups, simulated (about 10 minutes): 100 models, the H200 opt-6.7b cost profile, every routing policy
+$PY experiments/cluster_sim.py --ablations --out $R/cluster_sim_100m.json --plot-dir $F $PUBLISH
