@@ -42,7 +42,8 @@ def no_leaked_processes():
 TIERS = {"unit": "no process: pure policy, parsing, the engine in-process with fake workers (seconds)",
          "engine": "LaunchEngine with real worker processes on CPU",
          "server": "computron serve live, over HTTP and in a browser",
-         "e2e": "launchers, the README's commands, the CPU paths of benchmarks and experiments"}
+         "e2e": "launchers, the README's commands, the CPU paths of benchmarks and experiments",
+         "cluster": "several engine groups on a local Ray cluster (skipped without Ray)"}
 
 
 def pytest_configure(config):

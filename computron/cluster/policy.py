@@ -273,6 +273,9 @@ class SwapAwareRouter(Router):
             self._replicas[m] = keep
         return [r for r in keep if r in usable_ids]
 
+    def _models_on(self, group: int) -> int:
+        return sum(1 for reps in self._replicas.values() if group in reps)
+
     def route(self, model_id: str, tokens: int, now: float, exclude: Collection[int] = ()) -> int:
         """The group that should serve this request (see the module docstring). ``tokens``: tokens it asks to
         generate; ``exclude``: groups to avoid (a retry after one died)."""
@@ -283,7 +286,10 @@ class SwapAwareRouter(Router):
         ttft = self.expected_ttft
         if not reps:
             best = min(g.tier(model_id) for g in usable)
-            g = min((g for g in usable if g.tier(model_id) == best), key=lambda g: ttft(g.state.group, model_id))
+            # equal expected TTFTs (every group idle): the group the router gives fewest models to, so that
+            # light traffic spreads over the groups instead of filling the first one's slots
+            g = min((g for g in usable if g.tier(model_id) == best),
+                    key=lambda g: (ttft(g.state.group, model_id), self._models_on(g.state.group)))
             self._replicas[model_id] = [g.state.group] + [r for r in self._replicas.get(model_id, [])
                                                           if r != g.state.group]
             return self._send(g, model_id, tokens, now)

@@ -11,7 +11,9 @@ Inference Protocol (/v2/models/ID/infer); embedding models also at /v1/embedding
 Models are loaded and unloaded while serving through Triton's repository API
 (/v2/repository/index, /v2/repository/models/NAME/load and unload); with
 --model-repository, each subdirectory with a config.json is a model loaded on its
-first request (--repository-poll rescans the directory).
+first request (--repository-poll rescans the directory). LoRA adapters are served
+on a causal LM from YAML entries with base and adapter, or added and removed while
+serving through /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's).
 
 Everything is checked before any worker starts: every field and path, the HTTP
 port (bound then, and held), and each model's shape against --tp and --pp. A
@@ -66,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--drain", "--shutdown-grace", type=float, dest="drain_s",
                    help="seconds in-flight requests get on SIGTERM (default 30)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--ray", action="store_true",
+                   help="serve with several engine groups on Ray (pip install -e .[ray]); same HTTP API")
+    s.add_argument("--groups", type=int, default=1,
+                   help="with --ray: engine groups, each of TP x PP workers serving every model (default 1)")
+    s.add_argument("--ray-address", help="with --ray: join this Ray cluster ('auto': this node's); "
+                   "default: start a local one")
     s.add_argument("--model-repository", metavar="DIR", help="serve every subdirectory of DIR that has a "
                    "config.json, by its name, loaded on its first request (models given besides it load at start)")
     s.add_argument("--repository-poll", type=float, dest="repository_poll_s", metavar="S",
@@ -139,7 +147,7 @@ def prepare(cfg: ServeConfig):
     from .building import build_models
     built = build_models(cfg)
     configs = [b.config for b in built]
-    check(cfg.engine, configs, cfg.tp, cfg.pp)
+    check(cfg.engine, [c for c in configs if c.adapter is None], cfg.tp, cfg.pp)  # adapters: checked when built
     return configs, {b.served.id: b.served for b in built}
 
 
@@ -153,7 +161,8 @@ async def serve(cfg: ServeConfig, sock, configs, served) -> int:
     from .building import build_model
     s = cfg.server
     log.info("starting %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d", cfg.tp * cfg.pp, cfg.tp,
-             cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path})" for m in cfg.models) or "none yet",
+             cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path or f'LoRA {m.adapter} on {m.base}'})"
+                                         for m in cfg.models) or "none yet",
              cfg.engine.max_loaded)
     if s.model_repository:
         log.info("model repository %s: its models load on their first request%s", s.model_repository,
@@ -202,6 +211,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             prepared = prepare(cfg)
         except (ConfigError, PreflightError) as exc:
             return _config_error(exc)
+        if args.ray:
+            from ..cluster.serve import serve_cluster
+            return asyncio.run(serve_cluster(cfg, sock, *prepared, groups=args.groups, ray_address=args.ray_address))
+        if args.groups != 1 or args.ray_address:
+            return _config_error(ValueError("--groups and --ray-address need --ray"))
         return asyncio.run(serve(cfg, sock, *prepared))
 
 

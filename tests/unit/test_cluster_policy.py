@@ -33,6 +33,14 @@ def test_resident_beats_loading_beats_host_beats_disk():
     assert r.route("a", 10, 0.0) == 1
 
 
+def test_models_new_to_idle_groups_spread_over_them():
+    r = router(2, state(0), state(1))
+    first = r.route("a", 10, 0.0)
+    r.finished(first, "a", 10)
+    second = r.route("b", 10, 1.0)
+    assert {first, second} == {0, 1}
+
+
 def test_a_busier_resident_group_still_wins_over_an_idle_one_without_the_model():
     # group 0 holds 'a' with a little queued work (wait 0.2 s < the 0.5 s a host load would cost elsewhere)
     r = router(2, state(0, resident={"a"}, queued_tokens={"b": 10}), state(1, host={"a"}))

@@ -1,0 +1,130 @@
+"""``computron serve --ray --groups N [--ray-address ADDR]``: the same HTTP server over engine groups on Ray.
+
+    init_ray(address)          join a running cluster (``ray start --head`` elsewhere), or start a local one
+    start_cluster(...)         N ``EngineGroup`` actors (``groups.py``) + a router + the ``ClusterEngine``
+    serve_cluster(cfg, ...)    all of it, then ``create_app`` over the ``ClusterEngine``, until a signal
+
+Every group serves every model of the config with ``tp x pp`` workers of its own (one node per group);
+the router (``policy.SwapAwareRouter`` by default) picks a group per request. Ray is an optional
+dependency (``pip install -e .[ray]``); on a cluster, computron and the checkpoints must be on every
+node at the same paths.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any, Dict, Optional, Sequence, Union
+
+log = logging.getLogger("computron.cluster")
+
+RAY_MISSING = "--ray needs Ray, which is not installed: pip install -e .[ray]  (or: pip install 'ray>=2.40')"
+ROUTERS = ("swap-aware", "round-robin")
+
+
+class RayMissingError(ImportError):
+    pass
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise RayMissingError(RAY_MISSING) from None
+    return ray
+
+
+def init_ray(address: Optional[str] = None, **kwargs) -> bool:
+    """Join the cluster at ``address`` ('auto': the one this node belongs to), or start a local one;
+    nothing when Ray is already initialized. Returns whether this call started Ray (then the caller
+    shuts it down). ``RayMissingError`` (saying how to install it) without Ray."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, **kwargs)
+        log.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
+    else:
+        ray.init(**kwargs)
+        log.info("started a local Ray cluster: %s", ray.cluster_resources())
+    return True
+
+
+def make_router(router: Union[str, Any], n_groups: int):
+    """A router of ``policy.py`` by name ('swap-aware', 'round-robin'), or one given ready-made."""
+    if not isinstance(router, str):
+        return router
+    from .baselines import RoundRobinRouter
+    from .policy import SwapAwareRouter
+    if router == "swap-aware":
+        return SwapAwareRouter(n_groups)
+    if router == "round-robin":
+        return RoundRobinRouter(n_groups)
+    raise ValueError(f"router={router!r}: must be one of {', '.join(ROUTERS)}, or a router object")
+
+
+def start_cluster(engine_config, model_configs: Sequence[Any], n_groups: int, tp: int = 1, pp: int = 1, *,
+                  router: Union[str, Any] = "swap-aware", max_restarts: int = 3, timeout_s: Optional[float] = None):
+    """Launch ``n_groups`` groups serving ``model_configs`` and return the started ``ClusterEngine`` (Ray
+    must be initialized). ``LaunchError`` when a group fails to start (its engine's error) or the cluster
+    cannot hold the groups' placement bundles."""
+    _ray()
+    from .front import ClusterEngine
+    from .groups import launch_groups
+    handles, pgs = launch_groups(n_groups, engine_config, model_configs, tp, pp, max_restarts=max_restarts)
+    cluster = ClusterEngine(handles, make_router(router, n_groups), model_configs, placement_groups=pgs,
+                            shutdown_grace_s=engine_config.shutdown_grace_s + 5)
+    return cluster.start(timeout_s if timeout_s is not None else engine_config.start_timeout_s + 60)
+
+
+async def serve_cluster(cfg, sock, configs, served: Dict[str, Any], groups: int, ray_address: Optional[str] = None,
+                        router: str = "swap-aware", max_restarts: int = 3) -> int:
+    """``cli.serve`` over ``groups`` engine groups on Ray: same arguments (``cli.prepare``'s ``configs`` and
+    ``served``, the socket ``preflight.reserve_port`` bound), same exit status (2: Ray missing or a bad
+    ``--groups``; 1: a group failed to start; 0 after a graceful stop)."""
+    from functools import partial
+
+    from ..errors import LaunchError
+    from ..server.app import create_app
+    from ..server.building import build_model
+    from ..server.cli import _uvicorn_server
+    if groups < 1:
+        print(f"computron serve: error: --groups={groups}: must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        started_ray = init_ray(ray_address)
+    except RayMissingError as exc:
+        print(f"computron serve: error: {exc}", file=sys.stderr)
+        return 2
+    ray = _ray()
+    s = cfg.server
+    log.info("starting %d engine groups of %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d per group; "
+             "router: %s", groups, cfg.tp * cfg.pp, cfg.tp, cfg.pp, len(cfg.models),
+             ", ".join(f"{m.id} ({m.path})" for m in cfg.models) or "none yet", cfg.engine.max_loaded, router)
+    try:
+        try:
+            cluster = await asyncio.to_thread(start_cluster, cfg.engine, configs, groups, cfg.tp, cfg.pp,
+                                              router=router, max_restarts=max_restarts)
+        except LaunchError as exc:
+            log.error("the engine groups failed to start: %s", exc)
+            return 1
+        app = create_app(cluster, settings=s, owns_engine=True, models=served,
+                         build=partial(build_model, default_max_batch_size=cfg.engine.max_batch_size))
+        state = app.state.computron
+
+        def on_signal(sig):
+            if not state.draining:
+                log.info("%s: draining (no new connections; in-flight requests get %.0fs), then stopping",
+                         signal.Signals(sig).name, s.drain_s)
+            state.draining = True
+        server = _uvicorn_server(app, cfg, on_signal)
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await cluster.shutdown()  # idempotent; the lifespan already did it on a normal stop
+        log.info("stopped")
+        return 0
+    finally:
+        if started_ray:
+            ray.shutdown()
