@@ -1,8 +1,9 @@
 """The HTTP front (FastAPI): many models behind one engine, OpenAI's protocol and KServe v2.
 
-``create_app`` builds the ``ServerState`` and mounts four routers over it:
+``create_app`` builds the ``ServerState`` and mounts five routers over it:
 
     openai/routes.py   POST /v1/completions, /v1/chat/completions, /v1/embeddings; GET /v1/models[/{id}]
+    openai/lora_routes.py  vLLM's POST /v1/load_lora_adapter, /v1/unload_lora_adapter (LoRA adapters)
     v2/routes.py       the Open Inference Protocol for encoder and ViT models (/v2, /v2/models/{name}/...)
     v2/repository.py   Triton's model repository API: POST /v2/repository/index, .../models/{name}/load, unload
     status.py          GET / (status page), /api/status, /api/events, /health, /metrics
@@ -38,6 +39,7 @@ from .config import ServerSettings
 from .engine_client import EngineClient
 from .errors import ERROR_TABLE, APIError, V2Error, bad, to_openai, to_v2
 from .http import error_response
+from .openai import lora_routes
 from .openai import routes as openai_routes
 from .state import ServerState, served_models
 from .text import ModelText
@@ -79,7 +81,8 @@ def create_app(engine: EngineClient, texts: Optional[Dict[str, ModelText]] = Non
 
     app = FastAPI(title="computron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.computron = state
-    for router in (openai_routes.router, status.router, v2_routes.router, v2_repository.router):
+    for router in (openai_routes.router, lora_routes.router, status.router, v2_routes.router,
+                   v2_repository.router):
         app.include_router(router)
     _install_error_handlers(app)
     return app

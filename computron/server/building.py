@@ -7,6 +7,12 @@ an encoder's or ViT's batch manager), and makes the engine's ``ModelConfig`` (th
 ``BuiltModel``: the server's ``ServedModel`` and that ``ModelConfig``. ``entry_for`` checks a mapping
 given while serving exactly as a ``models[i]`` entry of the config file is checked.
 
+A LoRA adapter entry (``base`` and ``adapter``) is built by ``build_adapter`` from its base's
+``ServedModel``: a text generator with its base's tokenizer and positions, whose ``ModelConfig`` is the
+adapter's (``ModelConfig(id, base=..., adapter=...)``). It reads no file: the engine checks the adapter
+against its base's checkpoint when it is added (``lora.adapter.AdapterError``), and at start-up
+``build_models`` runs that check first, naming the entry (``models[2].adapter: adapter 'x': ...``).
+
 Everything here reads files and may take seconds (tokenizers): start-up calls it before any worker
 starts; the registry calls it off the event loop (``run_in_executor``). Errors are ``ConfigError``
 naming the entry and the field.
@@ -24,7 +30,7 @@ from .v2.protocol import UnderstandingModel
 DEFAULT_MAX_BATCH_SIZE = 8
 """An encoder's batch size when neither its entry nor the engine config sets one (EngineConfig's default)."""
 
-_REBUILD_FIELDS = ("path", "dtype", "max_batch_size", "queue_size", "task")
+_REBUILD_FIELDS = ("path", "dtype", "max_batch_size", "queue_size", "task", "base", "adapter")
 """The fields of an entry that only a new build can change (``pinned`` and ``priority`` are set in place)."""
 
 
@@ -42,6 +48,9 @@ class ServedModel:
     """A text generator's positions: the default ``max_tokens`` fits in them."""
     entry: Optional[ModelEntry] = None
     """The config entry it was built from (None for models handed to ``create_app`` ready-made)."""
+    base: Optional[str] = None
+    """A LoRA adapter's: the id of the model whose weights and tokenizer it runs on (``path`` is then the
+    adapter's directory)."""
 
     def same_build(self, entry: ModelEntry) -> bool:
         """Whether ``entry`` would build this very model (same checkpoint, dtype, batch and queue bounds, task)."""
@@ -70,8 +79,11 @@ def entry_for(model_id: str, raw: Dict[str, Any], where: str) -> ModelEntry:
 
 def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
                 where: Optional[str] = None) -> BuiltModel:
-    """The ``ServedModel`` and ``ModelConfig`` of a checked entry (``parse_model``); ``ConfigError`` naming
-    ``where`` (default: the model id) when its config.json, tokenizer or batch manager cannot be read."""
+    """The ``ServedModel`` and ``ModelConfig`` of a checked entry (``parse_model``) with a checkpoint;
+    ``ConfigError`` naming ``where`` (default: the model id) when its config.json, tokenizer or batch
+    manager cannot be read. (An adapter entry: ``build_adapter``.)"""
+    if entry.adapter is not None:
+        raise ValueError(f"build_model: {entry.id!r} is a LoRA adapter: build_adapter builds it on its base")
     from transformers import AutoConfig
 
     from ..config import ModelConfig
@@ -122,6 +134,41 @@ def _understanding_model(entry: ModelEntry, hf, default_max_batch_size: Optional
     return UnderstandingModel(entry.id, entry.path, entry.kind, bm, hidden_size=getattr(hf, "hidden_size", None))
 
 
+def build_adapter(entry: ModelEntry, base: ServedModel, where: Optional[str] = None) -> BuiltModel:
+    """A LoRA adapter entry on the served model ``base`` (see the module docstring); ``ConfigError``
+    naming ``where.base`` when ``base`` is not a causal LM of its own."""
+    from ..config import ModelConfig
+    where = f"{where or f'model {entry.id!r}'}.base={entry.base!r}"
+    if base.base is not None:
+        raise ConfigError(f"{where}: an adapter itself (on {base.base!r}); adapters run on a model's weights")
+    if base.kind is not ModelKind.GENERATION or base.text is None:
+        raise ConfigError(f"{where}: a {base.kind} model; LoRA adapters run on causal LMs")
+    config = ModelConfig(entry.id, base=base.id, adapter=entry.adapter)
+    served = ServedModel(entry.id, entry.adapter, ModelKind.GENERATION, text=base.text,
+                         max_positions=base.max_positions, entry=entry, base=base.id)
+    return BuiltModel(served, config)
+
+
+def check_adapter_files(adapter: BuiltModel, base: BuiltModel, max_rank: int, where: str) -> None:
+    """The engine's own check of an adapter's files against its base's checkpoint (rank, targets, shapes),
+    before any worker starts: ``ConfigError`` naming ``where.adapter``."""
+    from ..engine.adapters import check_adapter_config
+    from ..lora.adapter import AdapterError
+    try:
+        check_adapter_config(adapter.config, base.config, max_rank)
+    except AdapterError as exc:
+        raise ConfigError(f"{where}.adapter: {exc}") from None
+
+
 def build_models(cfg: ServeConfig) -> List[BuiltModel]:
-    """Every model of the config file, in its order (``build_model``), before any worker starts."""
-    return [build_model(m, cfg.engine.max_batch_size, f"models[{i}]") for i, m in enumerate(cfg.models)]
+    """Every model of the config file, in its order, before any worker starts: the checkpoints
+    (``build_model``), then the adapters on them (``build_adapter``, their files checked)."""
+    built: Dict[str, BuiltModel] = {}
+    for i, m in enumerate(cfg.models):
+        if m.adapter is None:
+            built[m.id] = build_model(m, cfg.engine.max_batch_size, f"models[{i}]")
+    for i, m in enumerate(cfg.models):
+        if m.adapter is not None:  # parse_models checked that its base is a causal LM of the file
+            built[m.id] = build_adapter(m, built[m.base].served, f"models[{i}]")
+            check_adapter_files(built[m.id], built[m.base], cfg.engine.max_lora_rank, f"models[{i}]")
+    return [built[m.id] for m in cfg.models]

@@ -14,6 +14,9 @@ A config file::
         path: ckpt/bert-base     # the v2 protocol (/v2/models/embed/infer), embeddings also at /v1/embeddings
         task: embedding          # optional: embedding | classification (default: classification when the
                                  # checkpoint has a classification head, else embedding)
+      - id: opt-a-sql            # a PEFT LoRA adapter served on a causal LM of this file (no path: it runs
+        base: opt-a              # on its base's weights, with its base's tokenizer, batch and queue)
+        adapter: lora/opt-a-sql  # the adapter directory (adapter_config.json + adapter_model.safetensors)
     engine:                      # any EngineConfig field, plus tp and pp
       tp: 2
       pp: 1
@@ -29,47 +32,21 @@ A config file::
                                  # loaded on its first request (then `models` may be empty)
       repository_poll_s: 10      # optional: rescan it this often (new directories, removed ones unloaded)
 
-Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path.
+Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path. The ``models``
+entries are checked by ``model_entry.py`` (its names are importable from here too).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
-from typing import Any, Container, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..config import EngineConfig
-from ..loading import DTYPES, has_tokenizer  # DTYPES: also cli.py's --dtype choices
-from .model_kind import ModelKind
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-
-
-class ConfigError(ValueError):
-    """A bad config file or flag; the message names the field or the path."""
-
-
-@dataclass
-class ModelEntry:
-    id: str
-    """Name requests use in their `model` field."""
-    path: str
-    """Local checkpoint directory (config.json, weights, tokenizer files)."""
-    dtype: Optional[str] = None
-    """float32, float16 or bfloat16; None keeps the checkpoint's dtype."""
-    max_batch_size: Optional[int] = None
-    """Sequences of this model batched together; None takes engine.max_batch_size."""
-    queue_size: Optional[int] = None
-    """Waiting requests of this model before the server answers 429; None takes engine.queue_size."""
-    task: Optional[str] = None
-    """Encoders and ViT only: 'embedding' or 'classification'; None picks classification when the checkpoint
-    has a classification head, else embedding."""
-    pinned: bool = False
-    """Never evict this model once it is loaded (``ModelConfig.pinned``)."""
-    priority: int = 0
-    """Higher goes first when models wait for a slot, and is evicted last (``ModelConfig.priority``)."""
-    kind: Optional[ModelKind] = None
-    """Set by validation: GENERATION for a causal LM, else the kind of encoder or ViT model."""
+from ..loading import DTYPES
+from .model_entry import (_ID, ConfigError, ModelEntry, _check_type, check_checkpoint,
+                          checkpoint_info, encoder_model_types, model_entries_from_paths, parse_model, parse_models,
+                          understanding_kind)
 
 
 @dataclass
@@ -112,130 +89,6 @@ class ServeConfig:
 
 def _engine_fields() -> Dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(EngineConfig)}
-
-
-def _check_type(name: str, value: Any, kind, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{name}={value!r}: must be an integer")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{name}={value!r}: must be a number")
-    if kind is str and not isinstance(value, str):
-        raise ConfigError(f"{name}={value!r}: must be a string")
-
-
-TASKS = ("embedding", "classification")
-
-
-def encoder_model_types() -> set:
-    """transformers ``model_type`` values served by the encoder runner (bert, roberta, xlm-roberta, vit)."""
-    from ..models.registry import ENCODER, model_types
-    return set(model_types(ENCODER))
-
-
-def checkpoint_info(path: str) -> Dict[str, Any]:
-    """``model_type`` and ``architectures`` of a checkpoint's config.json ({} when unreadable)."""
-    import json
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
-def understanding_kind(name: str, path: str, task: Optional[str]) -> ModelKind:
-    """GENERATION for a checkpoint outside the encoder families, else the kind its batch manager serves."""
-    info = checkpoint_info(path)
-    model_type = info.get("model_type")
-    archs = [a for a in (info.get("architectures") or []) if isinstance(a, str)]
-    if model_type not in encoder_model_types():
-        if task is not None:
-            raise ConfigError(f"{name.rsplit('.', 1)[0]}.task={task!r}: only encoder and ViT checkpoints "
-                              f"(bert, roberta, xlm-roberta, vit) take a task; {path!r} is {model_type!r}")
-        return ModelKind.GENERATION
-    where = f"{name.rsplit('.', 1)[0]}.task"
-    if task is not None and task not in TASKS:
-        raise ConfigError(f"{where}={task!r}: must be one of {list(TASKS)}")
-    if model_type == "vit":
-        if not any(a.endswith("ForImageClassification") for a in archs):
-            raise ConfigError(f"{name}: ViT checkpoint {path!r} has no image classification head "
-                              f"(architectures={archs!r}); only ViT classifiers are served")
-        if task == "embedding":
-            raise ConfigError(f"{where}='embedding': ViT checkpoints serve image classification only")
-        return ModelKind.IMAGE_CLS
-    head = (ModelKind.TOKEN_CLS if any(a.endswith("ForTokenClassification") for a in archs) else
-            ModelKind.SEQUENCE_CLS if any(a.endswith("ForSequenceClassification") for a in archs) else None)
-    if task == "classification" and head is None:
-        raise ConfigError(f"{where}='classification': {path!r} has no sequence or token classification head "
-                          f"(architectures={archs!r})")
-    if task == "embedding" or head is None:
-        return ModelKind.EMBEDDING
-    return head
-
-
-def check_checkpoint(name: str, path: Any) -> str:
-    """A checkpoint directory with a config.json and tokenizer files, or a ConfigError naming it. Encoder
-    and ViT checkpoints need no tokenizer (then they take input_ids or pixel values)."""
-    _check_type(name, path, str)
-    if not os.path.isdir(path):
-        raise ConfigError(f"{name}: checkpoint directory {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{name}: {path!r} has no config.json (not a transformers checkpoint)")
-    if checkpoint_info(path).get("model_type") not in encoder_model_types() and not has_tokenizer(path):
-        raise ConfigError(f"{name}: {path!r} has no tokenizer files (tokenizer.json or tokenizer_config.json)")
-    return path
-
-
-def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
-    """One model entry (a mapping with the fields of ``ModelEntry``) checked, its path made absolute and its
-    kind read from the checkpoint; ``where`` names it in errors (``models[1]``). Reads ``config.json``:
-    not on an event loop."""
-    if not isinstance(m, dict):
-        raise ConfigError(f"{where}: must be a mapping with id and path, got {m!r}")
-    known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind"}
-    unknown = sorted(set(m) - known)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
-    for req in ("id", "path"):
-        if req not in m:
-            raise ConfigError(f"{where}.{req}: missing")
-    entry = ModelEntry(**m)
-    _check_type(f"{where}.id", entry.id, str)
-    if not _ID.match(entry.id):
-        raise ConfigError(f"{where}.id={entry.id!r}: must be letters, digits and ._:/- ")
-    if entry.id in taken:
-        raise ConfigError(f"{where}.id={entry.id!r}: duplicate model id")
-    entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
-    _check_type(f"{where}.task", entry.task, str, allow_none=True)
-    entry.kind = understanding_kind(f"{where}.path", entry.path, entry.task)
-    if entry.dtype is not None and entry.dtype not in DTYPES:
-        raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
-    for k in ("max_batch_size", "queue_size"):
-        v = getattr(entry, k)
-        _check_type(f"{where}.{k}", v, int, allow_none=True)
-        if v is not None and v < (1 if k == "max_batch_size" else 0):
-            raise ConfigError(f"{where}.{k}={v!r}: must be >= {1 if k == 'max_batch_size' else 0}")
-    if not isinstance(entry.pinned, bool):
-        raise ConfigError(f"{where}.pinned={entry.pinned!r}: must be true or false")
-    _check_type(f"{where}.priority", entry.priority, int)
-    return entry
-
-
-def parse_models(raw: Any, allow_empty: bool = False) -> List[ModelEntry]:
-    """Every entry of ``models`` (``parse_model``); ``allow_empty`` when a model repository may supply them."""
-    if raw is None and allow_empty:
-        return []
-    if not isinstance(raw, list) or not (raw or allow_empty):
-        raise ConfigError("models: must be a non-empty list of {id, path, ...}")
-    out: List[ModelEntry] = []
-    seen: set = set()
-    for i, m in enumerate(raw):
-        entry = parse_model(m, f"models[{i}]", seen)
-        seen.add(entry.id)
-        out.append(entry)
-    return out
 
 
 def parse_engine(raw: Any) -> tuple:
@@ -335,20 +188,6 @@ def load_file(path: str) -> Dict[str, Any]:
     return raw if raw is not None else {}
 
 
-def model_entries_from_paths(paths: List[str], tasks: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    """``ckpt/a`` serves as model ``a``; ``name=ckpt/a`` names it. ``tasks`` (``--task ID=TASK``) sets an
-    encoder's task."""
-    out = []
-    for p in paths:
-        mid, sep, path = p.partition("=")
-        if not sep:
-            mid, path = os.path.basename(os.path.normpath(p)), p
-        out.append({"id": mid, "path": path})
-    ids = {m["id"]: m for m in out}
-    for t in tasks or []:
-        mid, sep, task = t.partition("=")
-        if not sep or mid not in ids:
-            raise ConfigError(f"--task {t!r}: must be ID=TASK naming a model given on the command line "
-                              f"({', '.join(ids)})")
-        ids[mid]["task"] = task
-    return out
+__all__ = ["ConfigError", "ModelEntry", "ServerSettings", "ServeConfig", "DTYPES", "parse_model", "parse_models",
+           "parse_engine", "parse_server", "from_mapping", "load_file", "model_entries_from_paths", "check_checkpoint",
+           "checkpoint_info", "encoder_model_types", "understanding_kind", "_ID"]

@@ -1,17 +1,17 @@
 """HTTP errors in the shapes clients expect, from one table.
 
 OpenAI's routes answer ``{"error": {"message", "type", "param", "code"}}`` (``APIError``); the Open
-Inference Protocol under ``/v2`` answers ``{"error": "message"}`` (``V2Error``). ``ERROR_TABLE`` maps
-each engine error (``computron.errors``), the chat-template error, and the errors of a model added
-while serving (a bad config: 400; a change of an id under way: 409; a build that failed: 500) to its
-status, OpenAI type and code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both
-read it, and either shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's answer
-has it as ``param`` (in the client's name of it: ``prompt`` for the engine's ``input_ids``) and its
-reason without the engine's ``model 'x': malformed request:`` prefix; v2's answer says ``input 'x':
-reason`` (``payload_message``). Anything else is a bug: logged, and answered 500 ``internal_error``.
+Inference Protocol under ``/v2`` answers ``{"error": "message"}`` (``V2Error``). ``ERROR_TABLE`` maps each
+engine error (``computron.errors``), the chat-template error, and the errors of a model added while serving
+(a bad config or LoRA adapter: 400; a change of an id under way: 409; a build that failed: 500) to its
+status, OpenAI type and code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read
+it, and either shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's
+answer has it as ``param`` (in the client's name of it: ``prompt`` for the engine's ``input_ids``) and its
+reason without the engine's ``model 'x': malformed request:`` prefix; v2's answer says ``input 'x': reason``
+(``payload_message``). Anything else is a bug: logged, and answered 500 ``internal_error``.
 
-Pure Python: ``app.py`` installs the handlers that answer FastAPI's own errors (404, 405, 422) and
-whatever a route raises in these shapes.
+Pure Python: ``app.py`` installs the handlers that answer FastAPI's own errors (404, 405, 422) and whatever
+a route raises in these shapes.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..errors import (EngineDeadError, ModelChangeError, ModelConflictError, PayloadError, QueueFullError,
                       RequestTimeoutError, UnknownModelError, WorkerError)
+from ..lora.adapter import AdapterError
 from ..preflight import PreflightError
 from .config import ConfigError
 from .text import ChatTemplateError
@@ -83,6 +84,7 @@ ERROR_TABLE: Tuple[Tuple[type, ErrorKind], ...] = (
     # changes of the served models (the repository API, a model repository's first request)
     (ConfigError, ErrorKind(400, "invalid_request_error", "invalid_model_config")),
     (PreflightError, ErrorKind(400, "invalid_request_error", "invalid_model_config")),
+    (AdapterError, ErrorKind(400, "invalid_request_error", "invalid_adapter")),
     (ModelConflictError, ErrorKind(409, "invalid_request_error", "model_conflict")),
     (ModelChangeError, ErrorKind(500, "server_error", "model_load_failed")),
 )

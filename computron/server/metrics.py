@@ -6,6 +6,11 @@ counts, time to first token and per output token for every answered completion, 
 running sequences, each model's ``Residency``) and the engine's cumulative counters (swaps, swap
 seconds and bytes, preemptions, steps) are read from ``engine.snapshot()`` and ``engine.counters()``
 at scrape time, so they cannot drift from the engine's own.
+
+A LoRA adapter has its own request, token, latency, queue and running series; its residency gauges are
+its base's (one load serves both), a model's queue and running counts include its adapters' sequences,
+and ``computron_lora_adapter{model,base}`` names each adapter's base. Adapters have no swap, preemption
+or step series, and do not count in ``computron_resident_models``: those are their base's.
 """
 from __future__ import annotations
 
@@ -101,19 +106,25 @@ class _EngineCollector:
         state = GaugeMetricFamily("computron_model_state", "1 for the model's residency (disk, host, loading, "
                                   "resident, offloading)", labels=["model", "state"])
         n_resident = 0
+        adapters = GaugeMetricFamily("computron_lora_adapter", "1 for each LoRA adapter served, labelled with "
+                                     "the model it runs on", labels=["model", "base"])
         for m, s in snap.models.items():
             depth.add_metric([m], s.waiting)
             running.add_metric([m], s.running)
             where = Residency.of(s)
             is_res = where is Residency.RESIDENT
-            n_resident += is_res
             resident.add_metric([m], 1.0 if is_res else 0.0)
             state.add_metric([m, where.value], 1.0)
+            if getattr(s, "base", None) is not None:
+                adapters.add_metric([m, s.base], 1.0)
+            else:
+                n_resident += is_res
         total = GaugeMetricFamily("computron_resident_models", "Models loaded on the devices")
         total.add_metric([], n_resident)
-        yield from (depth, running, resident, state, total)
+        yield from (depth, running, resident, state, total, adapters)
         c = e.counters()
-        models = list(snap.models)  # zeros for what has not happened yet: every series exists from the start
+        # zeros for what has not happened yet: every series exists from the start (adapters swap with their base)
+        models = [m for m, s in snap.models.items() if getattr(s, "base", None) is None]
         swaps = CounterMetricFamily("computron_swaps", "Loads and offloads", labels=["model", "kind"])
         secs = CounterMetricFamily("computron_swap_seconds", "Seconds spent in loads and offloads",
                                    labels=["model", "kind"])

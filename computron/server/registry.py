@@ -15,6 +15,12 @@ before its first await, so two changes of one id never interleave:
   files would only cost a rebuild.
 - ``unload(name)``: the id leaves ``models`` at once (new requests: 404, or, for a repository model, a
   new load after this one ends), then ``engine.remove_model(drain=True)`` lets admitted requests finish.
+- adapters (a ``raw`` with ``base`` and ``adapter``; ``/v1/load_lora_adapter`` sends one): built on
+  their base's ``ServedModel`` (``building.build_adapter``; a repository base not loaded yet is loaded
+  first), then ``engine.add_model``, which checks the adapter's files against the base's checkpoint. An
+  adapter is never replaced in place (the engine answers ``ModelConflictError``: unload it, then load
+  it again), and a base with adapters is neither replaced nor unloaded (409) until they are unloaded;
+  a poll keeps such a base while its directory is gone (with a warning).
 - ``resolve(id)``: the served model; a repository model not served yet is loaded first. The first
   request starts the load, later ones wait on the same task, and all get its error. The loads are
   shielded: a requester that leaves or times out (``request_timeout_s``) does not cancel them.
@@ -35,7 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import EngineDeadError, ModelChangeError, ModelConflictError, RequestTimeoutError, UnknownModelError
-from .building import BuiltModel, ServedModel, entry_for
+from .building import BuiltModel, ServedModel, build_adapter, entry_for
 from .config import ModelEntry
 from .engine_client import EngineClient
 from .repository import ModelRepository
@@ -77,6 +83,8 @@ class ModelRegistry:
         self._unavailable: Dict[str, str] = {}
         """Ids no longer (or never) served, with why: 'unloaded', or the error of their last load."""
         self._poll: Optional[asyncio.Task] = None
+        self._kept: set = set()
+        """Models whose repository directory is gone but whose adapters keep them (warned about once)."""
 
     # ---- lifecycle (the app's lifespan) ----------------------------------------------------------------
     async def start(self, poll_s: Optional[float] = None) -> None:
@@ -107,6 +115,12 @@ class ModelRegistry:
         present = set((await self.repository.rescan()).values())
         for name, m in list(self.models.items()):
             if self.repository.holds(m.path) and m.path not in present and name not in self._changes:
+                if self.adapters_on(name):
+                    if name not in self._kept:
+                        log.warning("model repository: %s is gone from %s, but adapters %s run on it: kept until "
+                                    "they are unloaded", name, self.repository.root, self.adapters_on(name))
+                    self._kept.add(name)
+                    continue
                 log.info("model repository: %s is gone from %s: unloading it", name, self.repository.root)
                 self._start_unload(name)
 
@@ -115,6 +129,10 @@ class ModelRegistry:
         """Whether ``model_id`` is served, or is being loaded, or is a repository model a request loads."""
         return isinstance(model_id, str) and (model_id in self.models or model_id in self._changes or (
             self.repository is not None and model_id in self.repository.known))
+
+    def adapters_on(self, model_id: str) -> List[str]:
+        """The served LoRA adapters that run on ``model_id``."""
+        return sorted(a for a, m in self.models.items() if m.base == model_id)
 
     def unloaded(self) -> Dict[str, str]:
         """Repository models not served (loading ones included): name -> path."""
@@ -172,11 +190,12 @@ class ModelRegistry:
         change.task.add_done_callback(done)
         return change
 
-    async def load(self, name: str, raw: Optional[Dict[str, Any]]) -> str:
-        """Triton's load (see the module docstring): 'added', 'replaced' or 'unchanged'."""
-        return await asyncio.shield(self._start(name, LOADING, self._load(name, raw)).task)
+    async def load(self, name: str, raw: Optional[Dict[str, Any]], where: str = "parameters.config") -> str:
+        """Triton's load (see the module docstring): 'added', 'replaced' or 'unchanged'. ``where`` names
+        ``raw`` in the errors about its fields."""
+        return await asyncio.shield(self._start(name, LOADING, self._load(name, raw, where)).task)
 
-    async def _load(self, name: str, raw: Optional[Dict[str, Any]]) -> str:
+    async def _load(self, name: str, raw: Optional[Dict[str, Any]], where: str = "parameters.config") -> str:
         loop = asyncio.get_running_loop()
         bodiless = raw is None
         if bodiless:
@@ -189,8 +208,6 @@ class ModelRegistry:
                                     if self.repository else "no --model-repository to load it from",
                                     "and no parameters.config given")
             raw, where = {"path": self.repository.known[name]}, f"model_repository/{name}"
-        else:
-            where = "parameters.config"
         entry = await loop.run_in_executor(None, entry_for, name, raw, where)
         current = self.models.get(name)
         if current is not None and current.same_build(entry):
@@ -198,7 +215,10 @@ class ModelRegistry:
                 self._set_in_place(current, entry)
             return "unchanged"
         try:
-            built = await loop.run_in_executor(None, functools.partial(self._build, entry, where=where))
+            if entry.adapter is not None:
+                built = build_adapter(entry, await self._base_of(entry), where)
+            else:
+                built = await loop.run_in_executor(None, functools.partial(self._build, entry, where=where))
             if current is None:
                 await self.engine.add_model(built.config)
             else:
@@ -210,8 +230,19 @@ class ModelRegistry:
         self.models[name] = built.served
         self._unavailable.pop(name, None)
         version = getattr(self.engine.snapshot().models.get(name), "version", 1)
-        log.info("%s %s (version %s) from %s", "replaced" if current else "loaded", name, version, entry.path)
+        log.info("%s %s (version %s) from %s", "replaced" if current else "loaded", name, version,
+                 entry.path or f"LoRA adapter {entry.adapter} on {entry.base}")
         return "replaced" if current else "added"
+
+    async def _base_of(self, entry: ModelEntry) -> ServedModel:
+        """The served model an adapter entry goes on (a repository model is loaded first); 404 naming it."""
+        try:
+            return await self.resolve(entry.base)
+        except UnknownModelError:
+            err = UnknownModelError(entry.base, self.models)
+            err.args = (f"base model {entry.base!r} of adapter {entry.id!r} is not served (served: "
+                        f"{sorted(self.models)})",)
+            raise err from None
 
     def _set_in_place(self, current: ServedModel, entry: ModelEntry) -> None:
         old = current.entry or ModelEntry(current.id, current.path)
@@ -230,15 +261,23 @@ class ModelRegistry:
             return self._start(name, UNLOADING, self._unload(name))  # raises ModelConflictError
         if name not in self.models:
             raise UnknownModelError(name, self.models)
-        del self.models[name]  # before the first await: new requests no longer reach it
-        return self._start(name, UNLOADING, self._unload(name))
+        on = self.adapters_on(name)
+        if on:
+            raise ModelConflictError(f"model {name!r} has LoRA adapters {on} running on it: unload them first")
+        served = self.models.pop(name)  # before the first await: new requests no longer reach it
+        return self._start(name, UNLOADING, self._unload(name, served))
 
-    async def _unload(self, name: str) -> None:
+    async def _unload(self, name: str, served: Optional[ServedModel] = None) -> None:
         try:
             await self.engine.remove_model(name, drain=True)
         except UnknownModelError:
             pass  # the engine had already dropped it
+        except ModelConflictError:
+            if served is not None:  # an adapter being added on it meanwhile: the engine keeps serving it
+                self.models[name] = served
+            raise
         self._unavailable[name] = "unloaded"
+        self._kept.discard(name)
         log.info("unloaded %s", name)
 
     # ---- Triton's index ---------------------------------------------------------------------------------

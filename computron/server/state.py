@@ -6,8 +6,9 @@ through the ``served_state`` dependency. It holds:
 - ``registry`` (``registry.py``) and its ``models``: one ``ServedModel`` (``building.py``) per id, in
   the order models were given, then added, with its ``ModelKind``, checkpoint path, config entry, and
   the tokenizer of a text generator (``text``) or the ``UnderstandingModel`` of an encoder or ViT model
-  (``understanding``). It changes while serving (the repository API, a model repository's first
-  requests): inference routes take their model from ``resolve``, which waits for such a load;
+  (``understanding``); a LoRA adapter's names its ``base`` and shares its base's tokenizer. It changes
+  while serving (the repository API, vLLM's LoRA routes, a model repository's first requests):
+  inference routes take their model from ``resolve``, which waits for such a load;
 - the engine (an ``EngineClient``), the settings, the Prometheus metrics, and ``draining`` (set on
   SIGTERM/SIGINT and at shutdown);
 - the checks every inference request passes before it reaches the engine: ``check_serving`` (not

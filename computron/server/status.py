@@ -2,7 +2,8 @@
 
     GET /              the status page (one static HTML file polling the two feeds below)
     GET /api/status    each model's residency (``residency.py``: disk, host, loading, resident,
-                       offloading), queued and running sequences, last load and offload
+                       offloading), queued and running sequences, last load and offload; a LoRA
+                       adapter's row has its ``base`` (its residency is that model's)
     GET /api/events    the timeline after ``?since=N`` (loads, offloads, batches, steps)
     GET /health        200 while serving; 503 when draining or when the engine is dead (with why)
     GET /metrics       Prometheus (``metrics.py``)
@@ -47,8 +48,9 @@ async def metrics(state: ServerState = Depends(served_state)):
 
 def _model_row(model_id: str, s: Optional[Any]) -> Dict[str, Any]:
     """One row of the status page; ``s`` is the model's ``ModelSnapshot`` (None: not reported)."""
-    return {"id": model_id, "state": Residency.of(s).value, "engine_state": s and s.state, "tier": s and s.tier,
-            "waiting": s.waiting if s else 0, "running": s.running if s else 0,
+    return {"id": model_id, "base": getattr(s, "base", None), "state": Residency.of(s).value,
+            "engine_state": s and s.state, "tier": s and s.tier, "waiting": s.waiting if s else 0,
+            "running": s.running if s else 0,
             "last_load": s and s.last_load, "last_offload": s and s.last_offload}
 
 

@@ -221,7 +221,8 @@ def test_an_undecodable_image_fails_at_submit_naming_the_input(tmp_path):
 
 def test_one_error_table_answers_both_shapes():
     for cls, kind in ERROR_TABLE:
-        exc = cls("m", ["m"]) if cls.__name__ == "UnknownModelError" else cls("x: went wrong")
+        two = {"UnknownModelError": ("m", ["m"]), "AdapterError": ("a", "went wrong")}  # (id, more)
+        exc = cls(*two[cls.__name__]) if cls.__name__ in two else cls("x: went wrong")
         openai_err, v2_err = to_openai(exc), to_v2(exc)
         assert (openai_err.status, openai_err.code, openai_err.headers) == (kind.status, kind.code, kind.headers())
         assert (v2_err.status, v2_err.headers) == (kind.status, kind.headers()), cls

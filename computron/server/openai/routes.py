@@ -10,7 +10,9 @@ before the answer starts, so errors before it get their status code; an error af
 with an error event, then ``data: [DONE]``). Encoder models answer 400 here, except embedding models
 at ``/v1/embeddings``. A request naming a model of ``--model-repository`` that is not loaded yet waits
 while it loads (``ServerState.resolve``); ``/v1/models`` lists such models too, with ``state``
-``unloaded`` (``loading`` while its first request waits).
+``unloaded`` (``loading`` while its first request waits). A LoRA adapter (``lora_routes.py``, YAML
+entries with ``base``) is served like a model: its requests use its base's tokenizer, and its model
+object has ``parent`` (its base's id; None for models) and ``root`` (its directory), as vLLM's do.
 """
 from __future__ import annotations
 
@@ -187,13 +189,15 @@ UNLOADED = "unloaded"
 
 
 def _model_object(state: ServerState, model_id: str, path: str, snap) -> Dict[str, Any]:
-    """OpenAI's model object, with the model's ``state`` and its checkpoint path as ``root``."""
-    if model_id in state.models:
+    """OpenAI's model object, with the model's ``state`` (an adapter's is its base's), its checkpoint or
+    adapter directory as ``root``, and an adapter's base as ``parent``."""
+    served = state.models.get(model_id)
+    if served is not None:
         where = Residency.of(snap.models.get(model_id)).openai_state
     else:
         where = Residency.LOADING.openai_state if state.registry.loading(model_id) else UNLOADED
     return {"id": model_id, "object": "model", "created": int(state.started), "owned_by": "computron",
-            "state": where, "root": path}
+            "state": where, "root": path, "parent": served.base if served else None}
 
 
 @router.get("/v1/models", dependencies=[Depends(api_key())])
