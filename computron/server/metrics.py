@@ -11,6 +11,12 @@ A LoRA adapter has its own request, token, latency, queue and running series; it
 its base's (one load serves both), a model's queue and running counts include its adapters' sequences,
 and ``computron_lora_adapter{model,base}`` names each adapter's base. Adapters have no swap, preemption
 or step series, and do not count in ``computron_resident_models``: those are their base's.
+
+Served by engine groups (the engine's snapshot is a ``ClusterSnapshot`` with ``groups``), three more
+families show each group: ``computron_group_alive{group}``, ``computron_group_restarts_total{group}``
+(how often Ray restarted it; never goes down) and ``computron_group_model_state{group,model,state}``, 1
+for the model's residency on each alive group serving it (``computron_model_state`` is the best over
+the groups). A plain engine has none of them.
 """
 from __future__ import annotations
 
@@ -145,3 +151,23 @@ class _EngineCollector:
         for m, v in sorted({**dict.fromkeys(models, 0), **c.get("steps", {})}.items()):
             steps.add_metric([m], v)
         yield steps
+        if getattr(snap, "groups", None) is not None:
+            yield from _group_families(snap)
+
+
+def _group_families(snap):
+    """Each engine group's liveness, restarts, and the residency of the models it serves."""
+    alive = GaugeMetricFamily("computron_group_alive", "1 while the engine group serves, 0 while it is down",
+                              labels=["group"])
+    restarts = CounterMetricFamily("computron_group_restarts", "Times Ray restarted the engine group",
+                                   labels=["group"])
+    state = GaugeMetricFamily("computron_group_model_state", "1 for the model's residency on the engine group "
+                              "(disk, host, loading, resident, offloading)", labels=["group", "model", "state"])
+    for i, g in sorted(snap.groups.items()):
+        alive.add_metric([str(i)], 1.0 if g.alive else 0.0)
+        restarts.add_metric([str(i)], snap.restarts.get(i, 0))
+        if g.alive:
+            for m, s in g.models.items():
+                if m in snap.models:  # served (a group may still be draining a removed model)
+                    state.add_metric([str(i), m, Residency.of(s).value], 1.0)
+    yield from (alive, restarts, state)

@@ -90,11 +90,20 @@ def test_every_answer_equals_transformers(cluster, client, url, ckpts):
     snap = cluster.snapshot()
     assert set(snap.groups) == {0, 1} and all(s.alive for s in snap.groups.values())
     assert sum(snap.groups[g].models[m].last_load is not None for g in (0, 1) for m in ckpts) >= len(ckpts)
-    assert httpx.get(url + "/health").json()["status"] == "ok"
+    up = [{"group": g, "alive": True, "reason": None, "restarts": 0} for g in (0, 1)]
+    assert httpx.get(url + "/health").json() == {"status": "ok", "groups": up}
     status = httpx.get(url + "/api/status").json()
-    assert [r["id"] for r in status["models"]] == list(ckpts) and status["alive"]
+    assert [r["id"] for r in status["models"]] == list(ckpts) and status["alive"] and status["groups"] == up
+    # every model on both groups, each group (max_loaded=1) holding at most one
+    assert all(set(r["groups"]) == {"0", "1"} for r in status["models"]), status["models"]
+    assert all(sum(r["groups"][g] == "resident" for r in status["models"]) <= 1 for g in ("0", "1"))
     assert {e["group"] for e in httpx.get(url + "/api/events").json()["events"]} == {0, 1}
-    assert "computron_swaps_total" in httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics").text
+    assert "computron_swaps_total" in text
+    for g in ("0", "1"):
+        assert f'computron_group_alive{{group="{g}"}} 1.0' in text
+        assert f'computron_group_restarts_total{{group="{g}"}} 0.0' in text
+        assert sum(f'computron_group_model_state{{group="{g}",model="{m}",' in text for m in ckpts) == len(ckpts)
     with pytest.raises(openai.NotFoundError):
         complete(client, "nope", "x")
 
@@ -182,6 +191,13 @@ def test_killed_worker_loses_no_request_and_ray_restarts_the_group(cluster, clie
     assert back.wait(240), f"Ray did not bring group {victim} back with m4: {cluster.group_states()[victim]}"
     state = cluster.group_states()[victim]
     assert state["alive"] and state["restarts"] == 1 and state["pids"][0] != pid
+    # /health, /api/status and /metrics show the restart
+    assert httpx.get(url + "/health").json()["groups"][victim] == {"group": victim, "alive": True, "reason": None,
+                                                                  "restarts": 1}
+    assert httpx.get(url + "/api/status").json()["groups"][victim]["restarts"] == 1
+    text = httpx.get(url + "/metrics").text
+    assert f'computron_group_restarts_total{{group="{victim}"}} 1.0' in text
+    assert f'computron_group_alive{{group="{victim}"}} 1.0' in text
     ids = [2, 100, 200, 300]
     for m, path in (("m1", ckpts["m1"]), ("m4", ckpts["m0"])):
         out = ray.get(cluster.groups[victim].submit.remote(m, {"input_ids": ids, "max_tokens": N}), timeout=120)
