@@ -42,8 +42,10 @@ def test_lora_benchmark_quick_path(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     doc = json.loads(run.stdout.strip().splitlines()[-1])
     assert doc["benchmark"] == "lora"
-    for key in ("mixed_batch_tokens_per_s_ratio", "adapter_load_vs_base_load", "rate_ratio_vs_merged"):
+    for key in ("mixed_batch_tokens_per_s_ratio", "adapter_load_vs_base_load"):
         assert doc[key] > 0, key
     a, m = doc["adapters_engine"], doc["merged_engine"]
-    assert a["adapter_fills"] == doc["adapters"] and a["trace_loads"] == 1  # one base load serves every adapter
-    assert m["trace_loads"] > 1
+    assert a["adapter_fills"] == doc["adapters"] and a["trace_loads"] == 0  # the base stays: no load at all
+    assert m["trace_loads"] > 1 and a["rates"] and m["rates"]
+    if m["sustainable_rate"]:
+        assert doc["rate_ratio_vs_merged"] == a["sustainable_rate"] / m["sustainable_rate"]
