@@ -1,10 +1,9 @@
 """Memory tiers beside the shard store: host buffers (pinned where CUDA is) and reusable device buffers.
 
-``host_empty`` allocates a host buffer that starts on a ``HOST_ALIGN`` boundary (so that a checkpoint
-read with ``O_DIRECT`` lands in it without a copy), ``pinned_empty`` a page-locked one of exactly the
-size asked for, and ``free_host`` lets one go. ``HostPool`` keeps the host buffers of models that left
-host memory for the next model read from disk; ``DevicePool`` keeps device buffers for the next load
-(CPU only: CUDA has torch's caching allocator).
+``pinned_empty`` allocates a page-locked host buffer of exactly the size asked for and ``free_host``
+lets one go. ``HostPool`` keeps the host buffers of models that left host memory for the next model
+read from disk; ``DevicePool`` keeps device buffers for the next load (CPU only: CUDA has torch's
+caching allocator).
 """
 from __future__ import annotations
 
@@ -17,27 +16,8 @@ import torch
 log = logging.getLogger("computron.store")
 
 
-HOST_ALIGN = 4096
-"""Where host buffers start: a multiple of every device's ``O_DIRECT`` alignment (512 or 4096 bytes)."""
-
-
-def _aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``numel`` elements starting on a ``HOST_ALIGN`` boundary: a view into a slightly larger block
-    (torch's allocator aligns to 64 bytes). The pages are not touched."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    spare = HOST_ALIGN // item
-    block = torch.empty(numel + spare, dtype=dtype)
-    skip = (-block.data_ptr() % HOST_ALIGN) // item
-    return block[skip:skip + numel]
-
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
-    """A host buffer of ``numel`` elements starting on a ``HOST_ALIGN`` boundary (pinned if ``pin``)."""
-    return pinned_empty(numel, dtype) if pin else _aligned_empty(numel, dtype)
-
-
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A page-locked host buffer of exactly ``numel`` elements, starting on a ``HOST_ALIGN`` boundary.
+    """A page-locked host buffer of exactly ``numel`` elements.
 
     torch's pinned allocator rounds every block up to a power of two (a 13.3 GB
     shard would lock 16 GB), so the buffer is allocated pageable and registered
@@ -45,7 +25,7 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     Buffers of models that stay in host memory live as long as the worker; ``free_host`` unregisters
     the ones the disk tier lets go.
     """
-    buf = _aligned_empty(numel, dtype)
+    buf = torch.empty(numel, dtype=dtype)
     try:
         cudart = torch.cuda.cudart()
         cudart.cudaHostRegister(buf.data_ptr(), numel * buf.element_size(), 0)
@@ -121,7 +101,7 @@ class HostPool(_BufferPool):
         buf = self._reuse(dtype, _host_fit(numel))
         if buf is not None:
             return buf
-        return host_empty(numel, dtype, self.pin)
+        return pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
 
     def trim(self, keep_bytes: int, keep_for: Optional[Dict[torch.dtype, int]] = None) -> None:
         """Free buffers, largest first, until at most ``keep_bytes`` stay in the pool besides the ones

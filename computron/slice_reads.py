@@ -2,97 +2,198 @@
 
 ``checkpoint.CheckpointSource`` says which bytes of which file each of the rank's tensors
 comes from; ``read_segments`` reads them. Each tensor's slice becomes runs of file bytes (one
-for a contiguous slice, one per row of a dim-1 slice). A contiguous slice only this rank reads is
-read with ``O_DIRECT`` straight into the host buffer (``file_reads``: the store lays the buffer out
-for it, ``direct_phases``); the rest, which the machine's other ranks read too, goes through the page
-cache: neighbouring runs become large scattered ``preadv`` requests (the bytes between them into a
-discard buffer), with the kernel advised ahead. All is issued in file order on a few threads, and
-the store hears of each segment (layer) as soon as all of it has arrived.
+for a contiguous slice, one per row of a dim-1 slice); neighbouring runs become large scattered
+``preadv`` requests (the bytes between them into a discard buffer), issued in file order on a
+few threads with the kernel advised ahead, and the store hears of each segment (layer) as soon
+as all of it has arrived.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import CheckpointError, CheckpointSource, Read
-from .file_reads import IOV_MAX, Reader, _Direct, _Request, _Rows, direct_span
-from .memory import HOST_ALIGN
+from .checkpoint import CheckpointError, CheckpointSource, Entry, Read
 
+CHUNK_BYTES = 64 << 20
+"""The scratch buffer of a read that converts dtypes."""
 REQUEST_BYTES = 8 << 20
 """Largest single ``preadv`` (a larger tensor is read by several threads at once)."""
 GAP_BYTES = 256 << 10
 """Runs of one file closer than this are read as one request, the bytes between them into a discard
 buffer: small tensors side by side, and a dim-1 slice's rows (the disk reads the rows around them
 anyway, and the machine's other TP ranks find them in the page cache); farther ones are skipped."""
-DIRECT_IO = False
-"""Read the slices only this rank reads with ``O_DIRECT`` (False: all through the page cache)."""
-DIRECT_MIN_BYTES = 1 << 20
-"""The smallest slice read with ``O_DIRECT`` (more than ``GAP_BYTES``: a request never spans one)."""
 READ_THREADS = 2
 """Requests in flight per read."""
 AHEAD_BYTES = 64 << 20
 """How far ahead of the requests being read the kernel is asked to read."""
 ADVICE_BYTES = 16 << 20
 """The piece of file one read-ahead advice covers."""
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 1024
+"""Buffers one ``preadv`` takes."""
 
 
-def _direct_part(reader: Reader, r: Read, name: str, itemsize: int) -> Optional[Tuple[str, int, int, int]]:
-    """``(file, begin, end, aligned begin)`` of this rank's slice of ``r.key`` when it is read with
-    ``O_DIRECT`` wherever it lands in the host buffer at the same offset modulo ``HOST_ALIGN``: a
-    contiguous slice only this rank reads, stored in the dtype it is held in, ``DIRECT_MIN_BYTES`` or
-    more of it aligned. None otherwise."""
-    if not DIRECT_IO or r.key is None:
-        return None
-    e, first, run, row, count = reader.runs(r, name)
-    a, b = first, first + run * count
-    if e.dtype.itemsize != itemsize or first % itemsize or not reader.exclusive(r, e, count, row, run):
-        return None
-    lo, hi = direct_span(a, b)
-    return (e.file, a, b, lo) if hi - lo >= DIRECT_MIN_BYTES else None
+class Reader:
+    """Open files and the freshly read headers of one read; thread-safe (``os.preadv`` on shared fds)."""
+
+    def __init__(self, model_id: str, entries: Dict[str, Entry]):
+        self.model_id = model_id
+        self.entries = entries
+        self.fds: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()  # the scratch buffer of converting reads, one per thread
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self.fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(file, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} does not exist") from None
+                self.fds[file] = fd
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead window
+            return fd
+
+    def will_need(self, file: str, begin: int, end: int) -> None:
+        """Ask the kernel to start reading ``[begin, end)`` in the background (read-ahead of what the
+        next requests read while these are copied out)."""
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd(file), begin, end - begin, os.POSIX_FADV_WILLNEED)
+            except OSError:  # advice only
+                pass
+
+    def preadv(self, file: str, bufs: List[memoryview], offset: int) -> None:
+        """Fill ``bufs`` in order with the file's bytes from ``offset``, through short reads."""
+        fd = self._fd(file)
+        while bufs:
+            got = os.preadv(fd, bufs, offset)
+            if got <= 0:
+                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} is truncated "
+                                      f"(no bytes at offset {offset})")
+            offset += got
+            while bufs and got >= len(bufs[0]):
+                got -= len(bufs[0])
+                bufs = bufs[1:]
+            if got:
+                bufs = [bufs[0][got:]] + bufs[1:]
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.scratch = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def _runs(self, r: Read, name: str) -> Tuple[Entry, int, int, int, int]:
+        """The entry of ``r.key`` and where this rank's slice lies in its file, in the order of its
+        elements: ``count`` runs of ``run`` bytes, the k-th at ``first + k * row`` (one run for a
+        contiguous slice, one per row of a dim-1 slice)."""
+        e = self.entries.get(r.key)
+        if e is None:
+            raise CheckpointError(f"model {self.model_id!r}: the checkpoint no longer holds {r.key!r}")
+        full, item = e.shape, e.dtype.itemsize
+        # the one dimension d this rank's slice is partial in (a 1-D mesh shards one dimension)
+        partial = [d for d in range(len(full)) if r.shape[d] != full[d]]
+        if len(partial) > 1:
+            raise CheckpointError(f"model {self.model_id!r}: {name} is split along several dimensions")
+        if not partial:
+            return e, e.begin, e.end - e.begin, e.end - e.begin, 1
+        d = partial[0]
+        outer = int(torch.Size(full[:d]).numel())
+        along, inner = full[d], int(torch.Size(full[d + 1:]).numel())
+        run = r.shape[d] * inner * item
+        return e, e.begin + r.offsets[d] * inner * item, run, along * inner * item, outer
+
+    def runs_into(self, r: Read, dest: torch.Tensor, name: str):
+        """``(contiguous runs, row tasks)`` that read this rank's slice of ``r.key`` into ``dest``: runs
+        ``(file, begin, end, bytes of dest)`` for ``_coalesce``, ``_Rows`` for a dim-1 slice; None when the
+        checkpoint's dtype differs from ``dest``'s (``read_converting`` reads it)."""
+        e, first, run, row, count = self._runs(r, name)
+        if e.dtype != dest.dtype:
+            return None
+        mv = memoryview(dest.view(-1).view(torch.uint8).numpy())
+        if run * count != len(mv):
+            raise CheckpointError(f"model {self.model_id!r}: {name} needs {len(mv)} bytes, its checkpoint "
+                                  f"slice {r.key!r} has {run * count}")
+        if count == 1 or row == run:
+            return [(e.file, first, first + run * count, mv)], []
+        per = max(1, REQUEST_BYTES // row)
+        return [], [_Rows(e.file, first + k * row, run, row, min(per, count - k), mv[k * run:(k + per) * run])
+                    for k in range(0, count, per)]
+
+    def read_rows(self, t: "_Rows", discard: memoryview) -> None:
+        """A dim-1 slice's rows: the bytes between them go to ``discard`` when they are few (one large
+        scattered read), else each row is read on its own."""
+        gap = t.row - t.run
+        if gap > len(discard):
+            for k in range(t.count):
+                self.preadv(t.file, [t.dest[k * t.run:(k + 1) * t.run]], t.begin + k * t.row)
+            return
+        per = (_IOV_MAX + 1) // 2
+        for k0 in range(0, t.count, per):
+            k1 = min(t.count, k0 + per)
+            bufs = []
+            for k in range(k0, k1):
+                bufs.append(t.dest[k * t.run:(k + 1) * t.run])
+                if k + 1 < k1:
+                    bufs.append(discard[:gap])
+            self.preadv(t.file, bufs, t.begin + k0 * t.row)
+
+    def read_converting(self, r: Read, dest: torch.Tensor, name: str) -> None:
+        """Fill ``dest`` with this rank's slice of ``r.key`` stored in another dtype: through a scratch
+        buffer of at most ``CHUNK_BYTES``, converted by ``copy_``."""
+        e, first, run, row, count = self._runs(r, name)
+        item, at = e.dtype.itemsize, 0
+        step = max(item, CHUNK_BYTES // item * item)
+        for k in range(count):
+            for a in range(0, run, step):
+                n = min(step, run - a)
+                buf = self._scratch(n)
+                self.preadv(e.file, [memoryview(buf.numpy())], first + k * row + a)
+                dest[at:at + n // item].copy_(buf.view(e.dtype))
+                at += n // item
 
 
-def direct_phases(source: CheckpointSource, slots) -> Dict[int, int]:
-    """``{slot index: byte offset of its slice in its file, modulo HOST_ALIGN}`` for the slots read with
-    ``O_DIRECT``: the store starts each at the same offset modulo ``HOST_ALIGN`` in its host buffer."""
-    reader = Reader(source.model_id, source.entries, source.tp)
-    out = {}
-    for k, (s, r) in enumerate(source.plan(slots)):
-        part = _direct_part(reader, r, s.name, s.dtype.itemsize)
-        if part is not None and reader.entries[r.key].dtype == s.dtype:
-            out[k] = part[1] % HOST_ALIGN
-    return out
+@dataclass
+class _Rows:
+    """``count`` rows of a dim-1 slice: ``run`` bytes each, ``row`` bytes apart from ``begin``, into ``dest``."""
+    file: str
+    begin: int
+    run: int
+    row: int
+    count: int
+    dest: memoryview
+
+    @property
+    def end(self) -> int:
+        return self.begin + (self.count - 1) * self.row + self.run
 
 
-def runs_into(reader: Reader, r: Read, dest: torch.Tensor, name: str):
-    """``(contiguous runs, tasks)`` that read this rank's slice of ``r.key`` into ``dest``: runs
-    ``(file, begin, end, bytes of dest)`` for ``_coalesce``; tasks: ``_Rows`` for a dim-1 slice, ``_Direct``
-    for the aligned part of a slice read with ``O_DIRECT`` (its unaligned ends are runs); None when the
-    checkpoint's dtype differs from ``dest``'s (``read_converting`` reads it)."""
-    e, first, run, row, count = reader.runs(r, name)
-    if e.dtype != dest.dtype:
-        return None
-    mv = memoryview(dest.view(-1).view(torch.uint8).numpy())
-    if run * count != len(mv):
-        raise CheckpointError(f"model {reader.model_id!r}: {name} needs {len(mv)} bytes, its checkpoint "
-                              f"slice {r.key!r} has {run * count}")
-    if count == 1 or row == run:
-        part = _direct_part(reader, r, name, dest.element_size())
-        if part is not None and (dest.data_ptr() - first) % HOST_ALIGN == 0 and reader.direct_fd(e.file) is not None:
-            file, a, b, lo = part
-            hi = direct_span(a, b)[1]
-            step = max(HOST_ALIGN, REQUEST_BYTES // HOST_ALIGN * HOST_ALIGN)
-            runs = [(file, a, lo, mv[:lo - a])] if lo > a else []
-            if b > hi:
-                runs.append((file, hi, b, mv[hi - a:]))
-            return runs, [_Direct(file, x, min(x + step, hi), mv[x - a:min(x + step, hi) - a])
-                          for x in range(lo, hi, step)]
-        return [(e.file, first, first + run * count, mv)], []
-    per = max(1, REQUEST_BYTES // row)
-    return [], [_Rows(e.file, first + k * row, run, row, min(per, count - k), mv[k * run:(k + per) * run])
-                for k in range(0, count, per)]
+@dataclass
+class _Request:
+    """One ``preadv``: consecutive bytes of one file, scattered over ``bufs`` (slices of the host buffer,
+    and a discard buffer for the gaps between them)."""
+    file: str
+    begin: int
+    end: int
+    bufs: List[memoryview]
 
 
 def _coalesce(runs, discard: memoryview) -> List[_Request]:
@@ -106,7 +207,7 @@ def _coalesce(runs, discard: memoryview) -> List[_Request]:
             n = min(b - a, REQUEST_BYTES)
             gap = a - cur.end if cur is not None and cur.file == file else -1
             if 0 <= gap <= GAP_BYTES and n + gap + cur.end - cur.begin <= REQUEST_BYTES \
-                    and len(cur.bufs) < IOV_MAX - 1:
+                    and len(cur.bufs) < _IOV_MAX - 1:
                 if gap:
                     cur.bufs.append(discard[:gap])
                 cur.bufs.append(mv[:n])
@@ -142,7 +243,7 @@ def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch
             if r.key is None:
                 dest.copy_(r.value.reshape(-1))
                 continue
-            planned = runs_into(reader, r, dest, s.name)
+            planned = reader.runs_into(r, dest, s.name)
             if planned is None:
                 by_segment.setdefault(s.segment, []).append((r, dest, s.name))
             else:
@@ -152,34 +253,8 @@ def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch
             by_segment[seg].extend(_coalesce(rs, discard))
         tasks = sorted(((seg, t) for seg, ts in by_segment.items() for t in ts),
                        key=lambda x: (getattr(x[1], "file", ""), getattr(x[1], "begin", 0)))
-        # a slice the page cache holds whole already is copied from there, not read from the disk again
-        tasks = [(seg, _Request(t.file, t.begin, t.end, [t.dest]) if isinstance(t, _Direct)
-                  and reader.cached(t.file, t.begin, t.end) else t) for seg, t in tasks]
-        reader.direct = any(isinstance(t, _Direct) for _, t in tasks)
         _run_tasks(reader, tasks, n_segments, on_segment, max(1, threads or READ_THREADS), discard)
     return time.perf_counter() - t0, nbytes
-
-
-def read_spans(source: CheckpointSource, slots) -> List[Tuple[str, int, int, List[Tuple[int, int, int, int]]]]:
-    """What ``read_segments`` of these slots reads, for a reader of its own to read the same bytes (the
-    benchmarks' floor): ``(file, begin, end, pieces)`` in file order, the runs of one file less than
-    ``GAP_BYTES`` apart merged as ``read_segments`` merges them; ``pieces`` are the slices' bytes inside
-    ``[begin, end)`` as ``(first, run, stride, count)``: ``count`` runs of ``run`` bytes, ``stride`` apart."""
-    runs = []
-    with source.open() as reader:
-        for s, r in source.plan(slots):
-            if r.key is not None:
-                e, first, run, row, count = reader.runs(r, s.name)
-                runs.append((e.file, first, first + (count - 1) * row + run, (first, run, row, count)))
-    spans: List[list] = []
-    for file, a, b, piece in sorted(runs):
-        last = spans[-1] if spans else None
-        if last is not None and last[0] == file and a - last[2] <= GAP_BYTES:
-            last[2] = max(last[2], b)
-            last[3].append(piece)
-        else:
-            spans.append([file, a, b, [piece]])
-    return [tuple(s) for s in spans]
 
 
 def _run_tasks(reader: Reader, tasks, n_segments: int, on_segment, threads: int, discard: memoryview) -> None:
@@ -188,22 +263,19 @@ def _run_tasks(reader: Reader, tasks, n_segments: int, on_segment, threads: int,
     left = [0] * n_segments
     for seg, _ in tasks:
         left[seg] += 1
-    # read-ahead advice: the buffered tasks' file ranges in pieces of ADVICE_BYTES, each due when the
-    # reads come within AHEAD_BYTES of it; bridged over gaps of up to AHEAD_BYTES when nothing is read
-    # with O_DIRECT (the other TP ranks' parts of a tensor are read too: they are about to ask for them),
-    # else not at all (the bytes between are read with O_DIRECT, here or by another rank)
-    bridge = -1 if reader.direct else AHEAD_BYTES
+    # read-ahead advice: the tasks' file ranges, bridged over gaps of up to AHEAD_BYTES (the other TP
+    # ranks' parts of a tensor are read too: they are about to ask for them), in pieces of
+    # ADVICE_BYTES, each due when the reads come within AHEAD_BYTES of it
     spans: List[list] = []  # [bytes of the tasks before it, file, begin, end]
     before, at = [], 0
     for _, t in tasks:
         before.append(at)
         if isinstance(t, (_Request, _Rows)):
             last = spans[-1] if spans else None
-            if last is not None and last[1] == t.file and t.begin - last[3] <= bridge:
+            if last is not None and last[1] == t.file and 0 <= t.begin - last[3] <= AHEAD_BYTES:
                 last[3] = max(last[3], t.end)
             else:
                 spans.append([at, t.file, t.begin, t.end])
-        if isinstance(t, (_Request, _Rows, _Direct)):
             at += t.end - t.begin
     spans = [[pos + a - begin, file, a, min(end, a + ADVICE_BYTES)]
              for pos, file, begin, end in spans for a in range(begin, end, ADVICE_BYTES)]
@@ -232,8 +304,6 @@ def _run_tasks(reader: Reader, tasks, n_segments: int, on_segment, threads: int,
                     reader.will_need(file, a, b)
                 if isinstance(t, _Request):
                     reader.preadv(t.file, list(t.bufs), t.begin)
-                elif isinstance(t, _Direct):
-                    reader.read_direct(t)
                 elif isinstance(t, _Rows):
                     reader.read_rows(t, discard)
                 else:

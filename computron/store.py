@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .memory import HOST_ALIGN, DevicePool, HostPool, free_host, host_empty  # the pools: still importable here
+from .memory import DevicePool, HostPool, free_host, pinned_empty  # the pools: still importable from here
 from .segments import Readiness, collect_slots
 
 log = logging.getLogger("computron.store")
@@ -142,18 +142,9 @@ class ShardStore(Store):
         self.source = source
         self.host_pool = host_pool
         pin = self.cuda
-        # a slice read with O_DIRECT starts at its file offset modulo HOST_ALIGN (host buffers start on
-        # such a boundary): the read lands in place, no copy
-        phases = {}
-        if source is not None:
-            from .slice_reads import direct_phases
-            phases = direct_phases(source, self.slots)
         totals: Dict[torch.dtype, int] = {}
-        for k, s in enumerate(self.slots):
-            at = totals.get(s.dtype, 0)
-            if k in phases:
-                at += (phases[k] - at * s.dtype.itemsize) % HOST_ALIGN // s.dtype.itemsize
-            s.offset = at
+        for s in self.slots:
+            s.offset = totals.get(s.dtype, 0)
             totals[s.dtype] = s.offset + s.numel
         self.host_numels = totals
         """Elements of the contiguous host buffer per dtype (what a host pool must keep to reuse)."""
@@ -161,7 +152,7 @@ class ShardStore(Store):
             source.check(self.slots)
             self.host: Dict[torch.dtype, torch.Tensor] = {}
         else:
-            self.host = {dt: host_empty(n, dt, pin) for dt, n in totals.items()}
+            self.host = {dt: pinned_empty(n, dt) if pin else torch.empty(n, dtype=dt) for dt, n in totals.items()}
         # contiguous [start, end) per (segment, dtype): slots are sorted by segment
         self._ranges: List[List[Tuple[torch.dtype, int, int]]] = [[] for _ in range(self.n_segments)]
         bounds: Dict[Tuple[int, torch.dtype], List[int]] = {}
@@ -203,7 +194,8 @@ class ShardStore(Store):
         """Fresh host buffers of this shard's size, one per dtype (from the host pool when there is one)."""
         if self.host_pool is not None:
             return {dt: self.host_pool.take(dt, n) for dt, n in self.host_numels.items()}
-        return {dt: host_empty(n, dt, self.cuda) for dt, n in self.host_numels.items()}
+        return {dt: pinned_empty(n, dt) if self.cuda else torch.empty(n, dtype=dt)
+                for dt, n in self.host_numels.items()}
 
     def _drop_host(self) -> None:
         host, self.host = self.host, {}
