@@ -76,7 +76,6 @@ class EngineViews:
                     last_load=last.get("load"), last_offload=last.get("offload"),
                     version=self._catalog.version(m), draining_versions=len(self._catalog.old_versions(m)))
             for a, base in self._adapters.base_of.items():
-                k = self._adapters.route(a)[0]
                 mine = [r for r in self._requests.requests.values() if r.adapter == a]
                 running = sum(1 for r in mine if r.spec is not None)
                 models[a] = dataclasses.replace(models[base], waiting=len(mine) - running, running=running,
