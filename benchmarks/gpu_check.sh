@@ -9,8 +9,15 @@
 #      (~13.3 GB of fp16 weights; fast and paper engines in one run) -> one JSON line
 #   5. experiments/llm_sim.py: 3 x ${LLM_SIM_MODEL:-opt-1.3b}, one resident, Gamma config 1, LLM-like outputs;
 #      request level vs token level (each policy) vs the Ray-Serve-style multiplexing loader -> one JSON line
+#   6. the disk tier: benchmarks/tiers.py --disk-rows for opt-1.3b, then opt-6.7b (2 fp16 checkpoints each,
+#      written once to ${TIERS_DIR:-/tmp/computron-tiers}: 5.3 GB and 26.6 GB), tp=1, every load from disk,
+#      each twice: page cache dropped (posix_fadvise, no root needed) and warm; each load paired with a bare
+#      process reading the same bytes right before and after it -> one JSON line per model
 # Every JSON line is appended to ${OUT:-.}/gpu_results.jsonl; swap.py's progress log goes to
 # ${OUT:-.}/swap_opt-6.7b.log (its per-engine lines survive a timeout).
+# STEPS (default "devices versions copy correctness swap llm_sim disk") picks steps, e.g.
+#   STEPS=disk bash benchmarks/gpu_check.sh      # the disk-tier rows alone (about 5 minutes)
+# TIERS_MODELS (default "opt-1.3b opt-6.7b") the disk-tier rows' model shapes.
 #
 # Python steps run as modules (-m benchmarks.NAME), from the repository root.
 # Run from the repository root, nothing to install (torch + transformers preinstalled, no network):
@@ -29,8 +36,12 @@ BUDGET_S="${GPU_CHECK_BUDGET_S:-590}"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
+STEPS=" ${STEPS:-devices versions copy correctness swap llm_sim disk} "
+TIERS_DIR="${TIERS_DIR:-/tmp/computron-tiers}"
+
 failed=()
 step() { echo "== $(date +%T) [${SECONDS}s] $*" >&2; }
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 # seconds left for a step: its own cap, or less when the total budget is nearly spent
 left() {
     local cap=$1 rest=$((BUDGET_S - SECONDS - 5))
@@ -39,11 +50,14 @@ left() {
     echo "$cap"
 }
 
+if want devices; then
 step "devices"
 if ! timeout "$(left 20)" nvidia-smi -L; then failed+=("nvidia-smi"); fi
 timeout "$(left 20)" nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv >&2 || true
+fi
 
+if want versions; then
 step "versions"
 if ! timeout "$(left 60)" "$PY" - <<'EOF' | tee -a "$RESULTS"
 import json, os, platform
@@ -57,7 +71,9 @@ print(json.dumps({
 }))
 EOF
 then failed+=("versions"); fi
+fi
 
+if want copy; then
 step "host<->device copy_ bandwidth, 4 GiB"
 if ! timeout "$(left 90)" "$PY" - <<'EOF' | tee -a "$RESULTS"
 import json, statistics, time
@@ -97,12 +113,16 @@ res["d2h_fresh_pageable_gbps"] = gbps(lambda: d.to("cpu"), reps=3)
 print(json.dumps(res))
 EOF
 then failed+=("copy_bandwidth"); fi
+fi
 
+if want correctness; then
 step "correctness on the GPU: tiny OPT and Llama through the engine vs transformers"
 if ! timeout -k 10 "$(left 90)" "$PY" -m benchmarks.gpu_correctness | tee -a "$RESULTS"; then
     failed+=("correctness")
 fi
+fi
 
+if want swap; then
 step "swap benchmark: opt-6.7b float16, tp=1, repeats=3 (log: $SWAP_LOG)"
 if ! timeout -k 20 "$(left 330)" "$PY" -m benchmarks.swap --model opt-6.7b --dtype float16 --tp 1 --repeats 3 \
         2> >(tee -a "$SWAP_LOG" >&2) | tee -a "$RESULTS"; then
@@ -111,12 +131,25 @@ if ! timeout -k 20 "$(left 330)" "$PY" -m benchmarks.swap --model opt-6.7b --dty
     echo "swap step failed or timed out; per-engine results so far:" >&2
     grep ' engine: ' "$SWAP_LOG" >&2 || true
 fi
+fi
 
+if want llm_sim; then
 step "LLM workload: 3 x ${LLM_SIM_MODEL:-opt-1.3b}, request vs token level vs a multiplexing loader"
 if ! timeout -k 20 "$(left 200)" "$PY" experiments/llm_sim.py --model "${LLM_SIM_MODEL:-opt-1.3b}" --configs 1 \
         --max-loaded 1 --duration 20 --rate-scale 1 --modes request,rtc,quantum,deadline,peer \
         --out "$OUT_DIR/llm_sim.json" | tee -a "$RESULTS"; then
     failed+=("llm_sim")
+fi
+fi
+
+if want disk; then
+for model in ${TIERS_MODELS:-opt-1.3b opt-6.7b}; do
+    step "disk tier: 2 x $model fp16 from disk, cold and warm, each paired with a bare read ($TIERS_DIR)"
+    if ! timeout -k 20 "$(left 400)" "$PY" -m benchmarks.tiers --disk-rows --model "$model" --vocab 0 \
+            --models 2 --tp 1 --rounds 1 --dir "$TIERS_DIR" | tee -a "$RESULTS"; then
+        failed+=("disk_$model")
+    fi
+done
 fi
 
 step "done in ${SECONDS}s; results in $RESULTS"

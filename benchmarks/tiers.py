@@ -1,45 +1,44 @@
-"""Tiers benchmark: shards read straight from checkpoints, and a disk tier below host memory.
+"""Tiers benchmark: start-up and the disk tier against their own floors, and more checkpoints than memory.
 
 Prints exactly one JSON line on stdout; progress goes to stderr.
 
-``--models`` random-weight checkpoints (``zoo.save_random_causal_lm``, safetensors) are written to
-``--dir`` (kept between runs), and served at TP=``--tp`` with ``max_loaded=1``. Measured in one run:
+``--models`` random-weight checkpoints (``tiers_floor.write_checkpoints``, safetensors, written once to
+``--dir`` and kept) are served at TP=``--tp`` x PP=``--pp`` with ``max_loaded=1``. Every measurement is
+paired with its floor in the same run (this machine is shared, and its disk's speed drifts 2-3x within
+minutes: only the ratios compare). The floors are bare processes (``tiers_floor.py``): started the way
+the engine starts its workers (``spawn``), importing only torch, transformers and the model's module,
+then reading the very byte ranges each rank reads (``slice_reads.read_spans`` of each rank's shard), one
+plain thread each, one process per rank, all at once. The page cache of every checkpoint file is dropped
+(``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed) before each engine start, each floor, each
+request and each paired read: every figure is cold (``--disk-rows`` adds warm ones).
 
-- start-up (``LaunchEngine`` until every worker is ready), four times: ``full`` (every rank builds every
-  full model: a ``model_fn`` the engine cannot read slice-wise, ``from_pretrained`` and cut down, as
-  before this change) and ``sliced`` (each rank reads only its slices, every shard kept in host
-  memory), each with the page cache dropped (``cold``) and warm: ``startup_{full,sliced}_{cold,warm}_s``;
-  ``build_*_s``: the part spent building models and reading their shards (slowest rank, from the
-  workers' "built all" log lines; the rest is process start and imports; the first model also pays
-  the import of its transformers class); ``startup_cpu_*_s``: CPU seconds (user + system) the worker
-  processes used until ready (where they exceed cores x seconds, start-up is CPU-bound and its time
-  cannot drop below their sum / cores). ``startup_s`` / ``startup_full_s`` are the cold ones,
-  ``startup_speedup = startup_full_s / startup_s``; ``*_speedup_{cold,warm}`` likewise
-  (``startup_cpu_speedup_*``: of the CPU seconds).
-  ``startup_budget_s``: sliced, cold, with ``host_budget`` = ``--host-models`` shards (the rest stay on disk).
-- ``read_limit_gbps``: the raw read of the same files in the same run, the better of one sequential
-  stream (``read_seq_gbps``) and ``--tp`` concurrent streams over alternate files (``read_parallel_gbps``):
-  per file ``posix_fadvise(POSIX_FADV_DONTNEED)`` first (drops its clean cached pages; no root
-  needed; not O_DIRECT), then buffered 64 MB ``readinto``; bytes / time.
-- the budgeted engine serves ``--rounds`` round robins over all models (every load beyond the
-  budget's models comes from disk, host LRU), then ``--hot`` alternations of two models (from host
-  memory after their first read); the page cache is dropped before each request. From each rank's
-  ``Loaded`` reply: ``disk_gbps`` (median over disk-tier loads of the bytes all ranks read / the
-  slowest rank's read seconds; the bytes of the slices, not the rows read around a dim-1 slice),
-  ``disk_vs_read_limit``: median over disk-tier loads of that load's GB/s / the raw read of the same
-  model's files measured just before its request (``read_limit_paired_gbps``: the better of one stream
-  and ``--tp`` streams over equal parts; the disk here is shared and its speed drifts by 3x within
-  minutes, so only paired measurements compare), ``disk_vs_read_limit_global`` against the run-wide
-  ``read_limit_gbps``; ``reader_only_gbps`` / ``reader_only_vs_read_limit``: the checkpoint reader
-  alone after the engine is gone (whole models, no overlapping copy), paired the same way;
-  ``host_to_device_gbps`` (median over host-tier loads of all ranks' bytes / the slowest rank's load
-  seconds) against ``copy_limit_gbps`` (``--tp`` threads each ``copy_`` one shard into preallocated
-  memory at once, median of 5: the device is host memory on CPU), ``h2d_vs_limit``;
-  ``swap_s_host`` / ``swap_s_disk``: median load seconds (slowest rank) per tier.
-- ``targets``: disk_vs_read_limit >= 0.8, startup_speedup >= 3.
+- ``startup_vs_floor``: median over ``--startup-reps`` pairs (the order alternates, and a throwaway process
+  imports the libraries before each, so that their files are cached for both alike) of spawn-to-ready
+  (``LaunchEngine``, every shard read into host memory) / the floor: ``floor_import_s`` (the bare
+  processes' spawn until all have imported) + ``floor_read_s`` (the same number of bare processes reading
+  every slice their rank reads at start-up, at once, into fresh memory). ``startup_cpu_vs_floor``: the
+  same for the CPU seconds of the workers until ready and of the bare processes (``startup_cpu_s``,
+  ``floor_cpu_s``). From the workers' logs, the slowest rank's ``worker_up_s`` (its process's start to its
+  first line: the interpreter, computron and torch) and ``build_s`` (building and reading every model,
+  the import of transformers included).
+- ``disk_vs_concurrent_read``: an engine with ``host_budget`` = ``--host-models`` shards serves
+  ``--rounds`` round robins over the models (every load beyond the budget's comes from disk); right
+  before and right after each disk-tier load, ``tp x pp`` bare processes read the same model's bytes
+  at once into reused memory (``concurrent_read_gbps``: the geometric mean of the two). Both GB/s are
+  slice bytes of all ranks / the slowest rank's read seconds (``Loaded.read_s``); the ratio is the median
+  over disk-tier loads of each load's GB/s / its pair's. The loads run with ``EngineConfig(overlap=False)``
+  unless ``--overlap``: with overlap, the request's batch computes layer by layer while later layers are
+  read, and on a CPU its forward (3 s for 4 tokens of an fp16 opt-350m on this 2-core machine) takes the
+  cores the read needs; on a GPU it computes on the device. ``host_to_device_gbps``, ``swap_s_host`` /
+  ``swap_s_disk``: medians of host-tier and disk-tier loads.
+- ``beyond_memory`` (``--beyond-memory``, ``tiers_beyond.py``): checkpoints whose total exceeds the
+  machine's memory, served with a small ``host_budget``; every model must answer what transformers'
+  ``generate`` of its checkpoint answers, and every process's peak RSS stay within its budget + 1 GiB.
 
-    .venv/bin/python benchmarks/tiers.py                       # 8 x opt-125m (vocab 512) fp16, ~2 min
-    .venv/bin/python benchmarks/tiers.py --model opt-small --dtype float32    # a smoke run
+    .venv/bin/python benchmarks/tiers.py                  # 8 x opt-125m (vocab 512) fp16, ~4 min
+    .venv/bin/python benchmarks/tiers.py --model opt-350m
+    .venv/bin/python benchmarks/tiers.py --only beyond    # 10 x opt-1.3b fp16 (26 GB, written once)
+    .venv/bin/python benchmarks/tiers.py --disk-rows --model opt-1.3b --vocab 0 --models 2 --tp 1  # gpu_check.sh
 """
 from __future__ import annotations
 
@@ -48,6 +47,7 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/http.py is not stdlib http
+sys.path.append(_HERE)  # tiers_floor, tiers_beyond
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -57,7 +57,6 @@ import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -65,317 +64,256 @@ import torch  # noqa: E402
 from computron import EngineConfig, LaunchEngine, ModelConfig, zoo  # noqa: E402
 from computron import messages as msg  # noqa: E402
 
+import tiers_floor as floor  # noqa: E402
+
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def load_full(path: str, dtype=None):
-    """The full-model path: a model_fn the engine does not recognise, so every rank builds it whole."""
-    return zoo.load_causal_lm(path, dtype)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="opt-125m", help="zoo OPT shape (random weights)")
     p.add_argument("--dtype", default="float16")
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=512, help="0: the shape's own vocabulary")
     p.add_argument("--models", type=int, default=8)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--device", default=None, help="EngineConfig.device (None: cuda where there is one)")
+    p.add_argument("--startup-reps", type=int, default=3, help="engine / floor start-up pairs")
     p.add_argument("--host-models", type=int, default=3, help="host_budget in shards of one model")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--hot", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=2)
-    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "computron-tiers"))
-    p.add_argument("--skip-full", action="store_true", help="do not measure the full-model start-up")
+    p.add_argument("--dir", default="/work/tiers-data" if os.path.isdir("/work") else
+                   os.path.join(tempfile.gettempdir(), "computron-tiers"),
+                   help="where the checkpoints are written once and kept")
+    p.add_argument("--disk-rows", action="store_true",
+                   help="only the disk tier: every load from disk, page cache dropped (cold) and warm, each "
+                        "paired with the bare read (the rows of gpu_check.sh)")
+    p.add_argument("--only", choices=("startup", "disk", "beyond"),
+                   help="measure start-up, the disk tier, or beyond_memory alone")
+    p.add_argument("--overlap", action="store_true",
+                   help="disk tier: EngineConfig.overlap=True (each request's batch computes while its weights load)")
+    p.add_argument("--beyond-memory", action="store_true", help="also the beyond_memory run (tiers_beyond.py)")
+    p.add_argument("--beyond-model", default="opt-1.3b")
+    p.add_argument("--beyond-vocab", type=int, default=0)
+    p.add_argument("--beyond-models", type=int, default=10)
+    p.add_argument("--beyond-host-models", type=int, default=1, help="its host_budget, in shards")
+    p.add_argument("--beyond-rounds", type=int, default=1, help="round robins over them (each load from disk)")
     return p.parse_args(argv)
 
 
-def drop_cache(files) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def checkpoints(args, model: str, n: int, vocab: int):
+    """``n`` checkpoints of shape ``model`` in ``args.dir`` (written once, kept)."""
+    return floor.write_checkpoints(model, args.dir, n, args.dtype, vocab, log)
 
 
-def raw_read_gbps(files) -> float:
-    drop_cache(files)
-    buf = bytearray(64 << 20)
-    mv = memoryview(buf)
-    total, t0 = 0, time.perf_counter()
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while True:
-                n = fh.readinto(mv)
-                if not n:
-                    break
-                total += n
-    return total / (time.perf_counter() - t0) / 1e9
+def files_of(paths):
+    return [f for p in paths for f in sorted(glob.glob(os.path.join(p, "*.safetensors")))]
 
 
-def run_threads(fn, k: int) -> float:
-    """Seconds for ``fn(0)``, ..., ``fn(k - 1)`` run on ``k`` threads at once."""
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=fn, args=(i,)) for i in range(k)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def raw_read_parallel_gbps(files, streams: int) -> float:
-    """The same raw read with ``streams`` threads at once, each reading its own files (the ranks of a
-    machine read concurrently: a single sequential stream leaves a virtual or NVMe disk's queue short)."""
-    drop_cache(files)
-    total = [0] * streams
-
-    def one(i):
-        mv = memoryview(bytearray(64 << 20))
-        for f in files[i::streams]:
-            with open(f, "rb", buffering=0) as fh:
-                while True:
-                    n = fh.readinto(mv)
-                    if not n:
-                        break
-                    total[i] += n
-    dt = run_threads(one, streams)
-    return sum(total) / dt / 1e9
-
-
-def raw_read_file_gbps(path_files, streams: int) -> float:
-    """Raw read of one model's files right before its load: the better of one stream and ``streams``
-    concurrent streams over equal parts of each file; the page cache is dropped before and after."""
-    best = 0.0
-    for k in sorted({1, streams}):
-        drop_cache(path_files)
-        total = [0] * k
-
-        def one(i):
-            mv = memoryview(bytearray(16 << 20))
-            for f in path_files:
-                size = os.path.getsize(f)
-                a, b = size * i // k, size * (i + 1) // k
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    while a < b:
-                        n = os.preadv(fd, [mv[:min(len(mv), b - a)]], a)
-                        if n <= 0:
-                            break
-                        a += n
-                        total[i] += n
-                finally:
-                    os.close(fd)
-        dt = run_threads(one, k)
-        best = max(best, sum(total) / dt / 1e9)
-    drop_cache(path_files)
-    return best
-
-
-def reader_only(paths, n: int = 4):
-    """Our checkpoint reader alone (no engine, no overlapping copy), one whole model per read (TP=1:
-    every tensor a contiguous run), paired with the raw read of the same files just before it.
-    Returns (median GB/s, median ratio to the paired raw read)."""
-    from computron import checkpoint as ck
-    from computron.slice_reads import read_segments
-    from computron.models import StageContext, make_runner
-    from computron.store import ShardStore
-    from computron.topology import Layout
-
-    class _Groups:  # what a TP=1, PP=1 runner reads of topology.Groups
-        layout, rank, stage, tp_rank = Layout(1, 1, 1, False), 0, 0, 0
-    gbps, ratios = [], []
-    for p in paths[:n]:
-        module, names = ck.meta_model(p)
-        runner = make_runner(module, ModelConfig("r", zoo.load_causal_lm, {"path": p}),
-                             StageContext(_Groups(), torch.device("cpu"), "r"))
-        store = ShardStore(runner.module, runner.segments, "cpu",
-                           source=ck.CheckpointSource("r", p, names, runner.module), keep_host=False)
-        host = store.alloc_host()
-        files = sorted(glob.glob(os.path.join(p, "*.safetensors")))
-        for h in host.values():
-            h.zero_()  # fault the pages in first, as a reused host buffer is
-        raw = raw_read_file_gbps(files, 1)
-        dt, nbytes = read_segments(store.source, store.slots, host, n_segments=store.n_segments)
-        gbps.append(nbytes / dt / 1e9)
-        ratios.append(gbps[-1] / raw)
-        drop_cache(files)
-    return statistics.median(gbps), statistics.median(ratios)
-
-
-def copy_limit_gbps(nbytes: int, tp: int, threads: int) -> float:
-    """``tp`` concurrent copy_ of one shard each into preallocated memory; aggregate GB/s, median of 5."""
-    torch.set_num_threads(threads)
-    src = [torch.ones(nbytes // 4) for _ in range(tp)]
-    dst = [torch.zeros(nbytes // 4) for _ in range(tp)]
-    out = []
-    for _ in range(5):
-        spans = [None] * tp
-
-        def one(i):
-            t0 = time.perf_counter()
-            dst[i].copy_(src[i])
-            spans[i] = (t0, time.perf_counter())
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(tp)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        out.append(tp * (nbytes // 4) * 4 / (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e9)
-    return statistics.median(out)
-
-
-def build_seconds(log_dir: str) -> float:
-    """Model-building seconds of the slowest rank (its shards read too), from the workers'
-    'built all N models in X s' log lines; the rest of start-up is process start and imports."""
-    per_rank = []
+def worker_seconds(log_dir: str):
+    """(the slowest rank's seconds from its process's start to its first log line, after the imports of
+    computron and torch; the slowest rank's model building, its shards read too), from the workers' logs."""
+    up, build = [], []
     for f in glob.glob(os.path.join(log_dir, "worker_*.log")):
         with open(f) as fh:
-            per_rank += [float(m) for m in re.findall(r" built all \d+ models in ([0-9.]+)s", fh.read())]
-    return max(per_rank) if per_rank else float("nan")
+            text = fh.read()
+        up += [float(m) for m in re.findall(r" process up ([0-9.]+)s after it started", text)]
+        build += [float(m) for m in re.findall(r" built all \d+ models in ([0-9.]+)s", text)]
+    return max(up, default=float("nan")), max(build, default=float("nan"))
 
 
-def workers_cpu_s() -> float:
-    """CPU seconds (user + system) the processes this one started have used so far."""
+def workers_cpu_s(engine) -> float:
+    """CPU seconds (user + system) the engine's worker processes have used so far."""
     import psutil
-    total = 0.0
-    for p in psutil.Process().children(recursive=True):
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
+    return sum(sum(psutil.Process(w.pid).cpu_times()[:2]) for w in engine.workers.values())
 
 
-def launch(configs, tp, log_dir, files, **cfg):
-    drop_cache(files)
+def launch(args, configs, log_dir, files, **cfg):
+    """``(engine, spawn-to-ready seconds)``, the page cache of ``files`` dropped first."""
+    floor.drop_cache(files)
     shutil.rmtree(log_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    engine = LaunchEngine(EngineConfig(max_loaded=1, log_dir=log_dir, start_timeout_s=1800, **cfg), configs, tp, 1)
+    engine = LaunchEngine(EngineConfig(max_loaded=1, log_dir=log_dir, start_timeout_s=1800, device=args.device,
+                                       **cfg), configs, args.tp, args.pp)
     return engine, time.perf_counter() - t0
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    os.makedirs(args.dir, exist_ok=True)
-    paths = []
-    for i in range(args.models):
-        p = os.path.join(args.dir, f"{args.model}-v{args.vocab}-{args.dtype}-seed{i}")
-        if not os.path.isfile(os.path.join(p, "config.json")):
-            log(f"writing checkpoint {p} ...")
-        paths.append(zoo.save_random_causal_lm(args.model, p, seed=i, dtype=args.dtype, vocab_size=args.vocab))
-    files = [f for p in paths for f in sorted(glob.glob(os.path.join(p, "*.safetensors")))]
-    ckpt_bytes = sum(os.path.getsize(f) for f in files)
-    log(f"{len(paths)} checkpoints, {ckpt_bytes / 1e9:.2f} GB on disk")
-    read_seq = raw_read_gbps(files)
-    read_par = raw_read_parallel_gbps(files, args.tp)
-    read_limit = max(read_seq, read_par)
-    log(f"raw read (buffered, after POSIX_FADV_DONTNEED): {read_seq:.2f} GB/s one stream, "
-        f"{read_par:.2f} GB/s {args.tp} streams")
-    work = tempfile.mkdtemp(prefix="tiers-logs-")
-    res = {"model": args.model, "dtype": args.dtype, "models": args.models, "tp": args.tp,
-           "checkpoint_bytes": ckpt_bytes, "read_limit_gbps": read_limit, "read_seq_gbps": read_seq,
-           "read_parallel_gbps": read_par,
-           "read_limit_method": "buffered 64 MB readinto after posix_fadvise(POSIX_FADV_DONTNEED) per file; "
-                                "the better of one stream and tp streams"}
-    sliced = [ModelConfig(f"m{i}", zoo.load_causal_lm, {"path": p}) for i, p in enumerate(paths)]
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
 
-    def startup(key, configs, cold=True):
-        name = f"{key}_{'cold' if cold else 'warm'}"
-        log(f"start-up: {key} ({'page cache dropped' if cold else 'page cache warm'}) ...")
-        engine, res[f"startup_{name}_s"] = launch(configs, args.tp, os.path.join(work, name), files if cold else [])
-        res[f"startup_cpu_{name}_s"] = workers_cpu_s()
-        shard = max(max(w.host_bytes.values()) for w in engine.workers.values())
-        engine.close()
-        res[f"build_{name}_s"] = build_seconds(os.path.join(work, name))
-        log(f"  {res[f'startup_{name}_s']:.1f}s (building {res[f'build_{name}_s']:.1f}s; "
-            f"{res[f'startup_cpu_{name}_s']:.1f} CPU seconds in the workers)")
-        return shard
 
-    full = [ModelConfig(f"m{i}", load_full, {"path": p}) for i, p in enumerate(paths)]
-    if not args.skip_full:
-        startup("full", full)
-    shard = startup("sliced", sliced)
-    if not args.skip_full:
-        startup("full", full, cold=False)
-    startup("sliced", sliced, cold=False)
-    res["startup_s"] = res["startup_sliced_cold_s"]
-    if not args.skip_full:
-        res["startup_full_s"] = res["startup_full_cold_s"]
+def measure_startup(args, configs, spans, module, files, work, res) -> None:
+    """``--startup-reps`` pairs of engine start-up and its floor, alternating which goes first, each after
+    a throwaway process imported the libraries (their files cached for both alike)."""
+    n = args.tp * args.pp
+    pairs, build, up, shard = [], [], [], 0
+    for rep in range(args.startup_reps):
+        got = {}
+        for what in (("floor", "engine") if rep % 2 == 0 else ("engine", "floor")):
+            floor.warm_imports(module)
+            if what == "floor":
+                got["floor"] = floor.startup_floor(spans, module, n, files, cold=True, models=range(len(configs)))
+                continue
+            log_dir = os.path.join(work, f"startup{rep}")
+            engine, got["engine"] = launch(args, configs, log_dir, files)
+            got["cpu"] = workers_cpu_s(engine)
+            shard = max(max(w.host_bytes.values()) for w in engine.workers.values())
+            engine.close()
+            up_s, build_s = worker_seconds(log_dir)
+            build.append(build_s)
+            up.append(up_s)
+        f = got["floor"]
+        pairs.append((got["engine"], f["floor_s"], f["import_s"], f["read_s"], got["cpu"], f["cpu_s"]))
+        log(f"start-up {rep}: engine {got['engine']:.2f}s (building {build[-1]:.2f}s; {got['cpu']:.1f} CPU s), "
+            f"floor {f['floor_s']:.2f}s = imports {f['import_s']:.2f}s + reads {f['read_s']:.2f}s "
+            f"({f['cpu_s']:.1f} CPU s) -> {got['engine'] / f['floor_s']:.2f}")
+    res.update({"startup_s": med([p[0] for p in pairs]), "startup_floor_s": med([p[1] for p in pairs]),
+                "floor_import_s": med([p[2] for p in pairs]), "floor_read_s": med([p[3] for p in pairs]),
+                "startup_vs_floor": med([p[0] / p[1] for p in pairs]),
+                "startup_pairs": [[round(x, 3) for x in p[:2]] for p in pairs],
+                "startup_cpu_s": med([p[4] for p in pairs]), "floor_cpu_s": med([p[5] for p in pairs]),
+                "startup_cpu_vs_floor": med([p[4] / p[5] for p in pairs]), "build_s": med(build),
+                "worker_up_s": med(up),
+                "shard_bytes": shard})
 
-    budget = args.host_models * shard
-    res["host_budget"] = budget
-    res["shard_bytes"] = shard
-    log(f"start-up, slices, host_budget={budget / 1e6:.0f} MB ({args.host_models} shards) ...")
-    engine, res["startup_budget_s"] = launch(sliced, args.tp, os.path.join(work, "budget"), files,
-                                             host_budget=budget)
-    res["build_budget_s"] = build_seconds(os.path.join(work, "budget"))
-    loaded = {}  # seq -> {rank: Loaded}
+
+def warm_cache(files) -> None:
+    buf = memoryview(bytearray(16 << 20))
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def serve_disk(args, configs, spans, module, files, work, budget, order, colds=None):
+    """Serve ``order`` with ``host_budget=budget``, each disk-tier load paired with ``tp x pp`` bare
+    processes reading the same model's bytes at once, right before it and right after it (the geometric
+    mean of the two: the disk's speed drifts); ``colds[k]``:
+    the page cache dropped before each of request ``k``'s two reads (default), else warmed first. Returns
+    (rows, start-up seconds): per load ``{model, tier, cold, span_s, nbytes}``, with ``gbps`` and
+    ``bare_gbps`` for disk-tier loads."""
+    n = args.tp * args.pp
+    colds = colds or [True] * len(order)
+    engine, startup = launch(args, configs, os.path.join(work, "disk"), files, host_budget=budget,
+                             overlap=args.overlap)
+    loaded = {}
+
     def spy(reply):
         if isinstance(reply, msg.Loaded):
             loaded.setdefault(reply.seq, {})[reply.rank] = reply
     engine.add_reply_observer(spy)
-    order = [f"m{i}" for _ in range(args.rounds) for i in range(args.models)] + ["m0", "m1"] * args.hot
+    rows = []
 
-    model_files = {f"m{i}": sorted(glob.glob(os.path.join(p, "*.safetensors"))) for i, p in enumerate(paths)}
-    paired = []  # raw read GB/s of the requested model's files, measured right before its request
-
-    async def drive():
+    async def drive(bare):
         async with engine:
-            for m in order:
-                drop_cache(files)
-                paired.append(raw_read_file_gbps(model_files[m], args.tp))
-                await engine.submit(m, {"input_ids": [2, 10, 20, 30], "max_tokens": args.max_tokens})
-            return {r: s.host_resident for r, s in engine.stats().items()}
-    t0 = time.perf_counter()
-    host_resident = asyncio.run(drive())
-    log(f"served {len(order)} requests in {time.perf_counter() - t0:.1f}s; host-resident at the end: {host_resident}")
-    disk, host, ratios = [], [], []
-    assert len(loaded) == len(order), (len(loaded), len(order))  # every request loads its model
-    for i, seq in enumerate(sorted(loaded)):
-        reps = loaded[seq]
-        if len(reps) < args.tp:
-            continue
-        span = max(r.end - r.start for r in reps.values())
-        if any(r.tier == "disk" for r in reps.values()):
-            read_s = max(r.read_s for r in reps.values())
-            gbps = sum(r.read_bytes for r in reps.values()) / read_s / 1e9
-            disk.append((span, gbps))
-            ratios.append(gbps / paired[i])
+            for k, m in enumerate(order):
+                i, cold = int(m[1:]), colds[k]
+                on_disk = any(m not in s.host_resident for s in engine.stats().values())
+                if on_disk and not cold:
+                    warm_cache(files_of([configs[i].model_kwargs["path"]]))
+                before, bare_gbps = set(loaded), []
+                for step in ("bare", "engine", "bare") if on_disk else ("engine",):
+                    if cold:
+                        floor.drop_cache(files)
+                    if step == "bare":
+                        got = bare.read([[spans[i][r]] for r in range(n)], fresh=False)
+                        bare_gbps.append(got["bytes"] / got["max_s"] / 1e9)
+                    else:
+                        await engine.submit(m, {"input_ids": [2, 10, 20, 30], "max_tokens": args.max_tokens})
+                bare_gbps = statistics.geometric_mean(bare_gbps) if bare_gbps else None
+                for seq in sorted(set(loaded) - before):
+                    reps = loaded[seq].values()
+                    row = {"model": m, "tier": "disk" if any(r.tier == "disk" for r in reps) else "host",
+                           "cold": cold, "span_s": max(r.end - r.start for r in reps),
+                           "nbytes": sum(r.nbytes for r in reps)}
+                    if row["tier"] == "disk":
+                        row["gbps"] = sum(r.read_bytes for r in reps) / max(r.read_s for r in reps) / 1e9
+                        row["bare_gbps"] = bare_gbps
+                        log(f"  {m} from disk ({'cold' if cold else 'warm'}): {row['gbps']:.2f} GB/s, bare processes "
+                            f"{bare_gbps:.2f} GB/s -> {row['gbps'] / bare_gbps:.2f}; read "
+                            f"{', '.join(f'{r.read_s:.3f}' for r in reps)} s, load {row['span_s']:.3f} s")
+                    rows.append(row)
+    with floor.BareProcesses(n, module) as bare:
+        asyncio.run(drive(bare))
+    return rows, startup
+
+
+def disk_summary(rows) -> dict:
+    disk = [r for r in rows if r["tier"] == "disk" and r.get("bare_gbps")]
+    host = [r for r in rows if r["tier"] == "host"]
+    return {"loads_disk": len(disk), "loads_host": len(host),
+            "disk_gbps": med([r["gbps"] for r in disk]),
+            "concurrent_read_gbps": med([r["bare_gbps"] for r in disk]),
+            "disk_vs_concurrent_read": med([r["gbps"] / r["bare_gbps"] for r in disk]),
+            "host_to_device_gbps": med([r["nbytes"] / r["span_s"] / 1e9 for r in host]),
+            "swap_s_disk": med([r["span_s"] for r in disk]), "swap_s_host": med([r["span_s"] for r in host])}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.only == "beyond":
+        return finish(args, {})
+    paths = checkpoints(args, args.model, args.models, args.vocab)
+    files = files_of(paths)
+    ckpt_bytes = sum(os.path.getsize(f) for f in files)
+    log(f"{len(paths)} checkpoints, {ckpt_bytes / 1e9:.2f} GB on disk; computing each rank's reads ...")
+    spans = floor.rank_spans(paths, args.tp, args.pp)
+    module = floor.model_module(paths[0])
+    n = args.tp * args.pp
+    res = {"model": args.model, "dtype": args.dtype, "models": args.models, "tp": args.tp, "pp": args.pp,
+           "checkpoint_bytes": ckpt_bytes,
+           "slice_bytes_per_rank": [sum(floor.slice_bytes(spans[i][r]) for i in spans) for r in range(n)],
+           "span_bytes_per_rank": [sum(floor.span_bytes(spans[i][r]) for i in spans) for r in range(n)],
+           "cache": "cold: posix_fadvise(POSIX_FADV_DONTNEED) of every checkpoint file before each engine start, "
+                    "floor, request and paired read"}
+    configs = [ModelConfig(f"m{i}", zoo.load_causal_lm, {"path": p}) for i, p in enumerate(paths)]
+    work = tempfile.mkdtemp(prefix="tiers-logs-")
+    try:
+        if args.disk_rows:
+            m = len(configs)  # each load evicts the previous model from host memory: every load from disk
+            rows, _ = serve_disk(args, configs, spans, module, files, work, 1,
+                                 [f"m{k % m}" for k in range(2 * args.rounds * m)],
+                                 [(k // m) % 2 == 0 for k in range(2 * args.rounds * m)])
+            for c in (True, False):
+                part = disk_summary([r for r in rows if r["cold"] == c])
+                res.update({f"{k}_{'cold' if c else 'warm'}": v for k, v in part.items()})
+            res["cache"] = "each load twice: cold (page cache dropped before it and before its paired read) and warm"
         else:
-            host.append((span, sum(r.nbytes for r in reps.values()) / span / 1e9))
-    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    threads = max(1, ((os.cpu_count() or 2) - 1) // args.tp)
-    limit = copy_limit_gbps(shard, args.tp, threads)
-    res.update({
-        "loads_disk": len(disk), "loads_host": len(host),
-        "disk_gbps": med([g for _, g in disk]),
-        "host_to_device_gbps": med([g for _, g in host]),
-        "copy_limit_gbps": limit,
-        "swap_s_disk": med([s for s, _ in disk]),
-        "swap_s_host": med([s for s, _ in host]),
-    })
-    res["reader_only_gbps"], res["reader_only_vs_read_limit"] = reader_only(paths)
-    res["disk_vs_read_limit"] = med(ratios)
-    res["disk_vs_read_limit_global"] = res["disk_gbps"] / read_limit
-    res["read_limit_paired_gbps"] = med([paired[i] for i, seq in enumerate(sorted(loaded))
-                                         if any(r.tier == "disk" for r in loaded[seq].values())])
-    res["h2d_vs_limit"] = res["host_to_device_gbps"] / limit
-    if "startup_full_s" in res:
-        res["startup_speedup"] = res["startup_full_s"] / res["startup_s"]
-        for c in ("cold", "warm"):
-            res[f"startup_speedup_{c}"] = res[f"startup_full_{c}_s"] / res[f"startup_sliced_{c}_s"]
-            res[f"build_speedup_{c}"] = res[f"build_full_{c}_s"] / res[f"build_sliced_{c}_s"]
-            res[f"startup_cpu_speedup_{c}"] = res[f"startup_cpu_full_{c}_s"] / res[f"startup_cpu_sliced_{c}_s"]
-    res["targets"] = {"disk_vs_read_limit>=0.8": res["disk_vs_read_limit"] >= 0.8,
-                      "startup_speedup>=3": res.get("startup_speedup", 0) >= 3}
-    res["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__}
-    shutil.rmtree(work, ignore_errors=True)
-    out = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in res.items()}
+            targets = {}
+            if args.only in (None, "startup"):
+                measure_startup(args, configs, spans, module, files, work, res)
+                targets["startup_vs_floor<=1.3"] = res["startup_vs_floor"] <= 1.3
+            if args.only in (None, "disk"):
+                # host_models shards and half of one: a shard's bytes may exceed its slices' (buffers
+                # computed, not read)
+                budget = int((args.host_models + 0.5) * max(floor.slice_bytes(spans[0][r]) for r in range(n)))
+                order = [f"m{i}" for _ in range(args.rounds) for i in range(args.models)]
+                log(f"serving {len(order)} requests, host_budget={budget / 1e6:.0f} MB ({args.host_models} "
+                    "shards) ...")
+                rows, res["startup_budget_s"] = serve_disk(args, configs, spans, module, files, work, budget, order)
+                res["host_budget"], res["overlap"] = budget, args.overlap
+                res.update(disk_summary(rows))
+                targets["disk_vs_concurrent_read>=0.9"] = res["disk_vs_concurrent_read"] >= 0.9
+            res["targets"] = targets
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return finish(args, res)
+
+
+def finish(args, res: dict) -> dict:
+    """The beyond-memory run where asked, then the JSON line."""
+    if args.beyond_memory or args.only == "beyond":
+        import tiers_beyond
+        work = tempfile.mkdtemp(prefix="tiers-logs-")
+        try:
+            res["beyond_memory"] = tiers_beyond.run(args, sys.modules[__name__], work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    res["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
+                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    out = json.loads(json.dumps(res), parse_float=lambda v: float(f"{float(v):.4g}"))
     print(json.dumps(out), flush=True)
     return out
 

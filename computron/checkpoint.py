@@ -143,14 +143,20 @@ def read_entries(path: str, model_id: str = "") -> Tuple[Dict[str, Entry], Dict[
 @contextlib.contextmanager
 def params_on_meta():
     """Parameters created inside go to the meta device; buffers stay real (accelerate's
-    ``init_empty_weights(include_buffers=False)``), so computed buffers keep their values."""
+    ``init_empty_weights(include_buffers=False)``), so computed buffers keep their values.
+
+    Each meta parameter is flagged ``_is_hf_initialized`` (what transformers' ``from_pretrained`` sets on
+    the weights it loaded), so that transformers' weight initialisation skips it: on meta tensors it
+    computes nothing, through torch's Python reference kernels (a third of building a model's shard)."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             p = direct_tensor(module, name)
-            set_parameter(module, name, type(p)(p.to("meta"), requires_grad=p.requires_grad))
+            meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            meta._is_hf_initialized = True
+            set_parameter(module, name, meta)
 
     nn.Module.register_parameter = on_meta
     try:
@@ -241,20 +247,28 @@ class Read:
     value: Optional[torch.Tensor] = None
 
 
-def _local_slice(t: torch.Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
-    """(global shape, local offsets, local shape) of a parameter; a plain tensor is its whole self."""
+def _local_slice(t: torch.Tensor, places: Dict[int, tuple]) -> Tuple[
+        Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+    """(global shape, local offsets, local shape) of a parameter; a plain tensor is its whole self.
+    ``places``: by ``id`` of each device mesh met so far, ``(mesh, this rank's index or None, size)``
+    (None: not a 1-D mesh); asking a mesh costs more than all the rest."""
     if not (hasattr(t, "placements") and hasattr(t, "device_mesh")):
         return tuple(t.shape), (0,) * t.dim(), tuple(t.shape)
     full = tuple(t.shape)
     mesh = t.device_mesh
-    if mesh.ndim == 1:  # this rank's place from its global rank (a mesh object may be shared by equal meshes)
-        import torch.distributed as dist
-        ranks = mesh.mesh.reshape(-1).tolist()
-        me = ranks.index(dist.get_rank())
+    place = places.get(id(mesh))
+    if place is None or place[0] is not mesh:
+        place = places[id(mesh)] = (mesh, None, 0)
+        if mesh.ndim == 1:  # this rank's place from its global rank (a mesh object may be shared by equal meshes)
+            import torch.distributed as dist
+            ranks = mesh.mesh.reshape(-1).tolist()
+            place = places[id(mesh)] = (mesh, ranks.index(dist.get_rank()), len(ranks))
+    _, me, n_ranks = place
+    if me is not None:
         offset, shape = [0] * len(full), list(full)
         for p in t.placements:
             if p.is_shard():
-                d, n, k = p.dim % len(full), full[p.dim % len(full)], len(ranks)
+                d, n, k = p.dim % len(full), full[p.dim % len(full)], n_ranks
                 chunk = -(-n // k)  # DTensor's Shard: torch.chunk sizes
                 offset[d] = min(me * chunk, n)
                 shape[d] = max(0, min(n, offset[d] + chunk) - offset[d])
@@ -277,7 +291,7 @@ class CheckpointSource:
         self.path = path
         self.entries, self.sizes = read_entries(path, model_id)
         self.reads: Dict[int, Read] = {}  # id(local tensor) -> Read, once materialized
-        pending = []
+        pending, places = [], {}
         for mod in module.modules():
             for attr, t, is_param in direct_tensors(mod):
                 known = names.of(mod, attr)
@@ -289,7 +303,7 @@ class CheckpointSource:
                         raise Unsupported(f"checkpoint {path!r} holds no tensor named {known or [attr]}")
                     pending.append((mod, attr, Read(None, value=t.detach().clone())))
                     continue
-                full, off, shape = _local_slice(t)
+                full, off, shape = _local_slice(t, places)
                 e = self.entries[key]
                 if tuple(e.shape) != full:
                     raise Unsupported(f"checkpoint tensor {key!r} has shape {list(e.shape)}, the model "

@@ -39,6 +39,7 @@ from .engine import Engine
 from .errors import LaunchError
 from .process_setup import device_for, die_with_parent, free_port, setup_logging, threads_per_worker
 from .reply_router import ReplyRouter
+from .slice_reads import prefetch_startup
 from .topology import Groups, Layout
 from .transport import WorkerChannel
 from .worker import Worker
@@ -183,6 +184,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         procs.append(p)
         status.append(recv_end)
     workers = _SpawnedWorkers(procs, first)
+    prefetch_startup(configs, config.host_budget, layout.n_workers, config.paper_mode)  # the disk reads while workers import
     if node_rank != 0:  # this node only hosts workers
         try:
             _await_ready(workers, status, None, config.start_timeout_s)

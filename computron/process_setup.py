@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -74,6 +75,23 @@ def setup_logging(config: EngineConfig, rank: Optional[int] = None) -> None:
         h._computron = True  # our own handlers, found again (and replaced) by a second launch
         root.addHandler(h)
     quiet_third_party(worker=rank is not None)
+    age = process_age_s()
+    if rank is not None and age is not None:
+        logging.getLogger("computron.worker").info(
+            "rank %d: process up %.2fs after it started (interpreter and imports), %.2f CPU s", rank, age,
+            time.process_time())
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux ``/proc``), or None where that is not known."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def quiet_third_party(worker: bool) -> None:

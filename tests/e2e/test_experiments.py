@@ -272,22 +272,6 @@ def test_llm_sim_and_generation_benchmark_cpu_paths(tmp_path):
         assert line[key] is not None and line[key] > 0
 
 
-@pytest.mark.timeout(300)
-def test_tiers_benchmark_cpu_path(tmp_path):
-    """benchmarks/tiers.py at a tiny size: every start-up, every tier and the reader alone measured,
-    and the JSON carries the fields the README quotes."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tiers.py"), "--model", "opt-tiny",
-                           "--dtype", "float32", "--models", "3", "--host-models", "1", "--rounds", "1", "--hot", "1",
-                           "--dir", str(tmp_path / "ckpts")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert line["loads_disk"] > 0 and line["loads_host"] > 0
-    for key in ("read_limit_gbps", "startup_speedup", "startup_cpu_sliced_cold_s", "startup_cpu_full_cold_s",
-                "disk_vs_read_limit", "reader_only_vs_read_limit", "h2d_vs_limit", "swap_s_disk"):
-        assert line[key] > 0, (key, line)
-
-
 def _mixed_records():
     """A warm-up (load, batch, request of m0), then a trace of two requests where token-level m1 preempts m0
     (every kind of record in computron.metrics) and m0 comes back for a request-level batch."""

@@ -99,7 +99,6 @@ def test_the_read_plan_never_changes_the_bytes(checkpoints, monkeypatch, plan):
         monkeypatch.setattr(slice_reads, "GAP_BYTES", 0)
         monkeypatch.setattr(slice_reads, "REQUEST_BYTES", 4096)
         monkeypatch.setattr(slice_reads, "READ_THREADS", 3)
-        monkeypatch.setattr(slice_reads, "AHEAD_BYTES", 0)
     else:
         monkeypatch.setattr(slice_reads, "GAP_BYTES", 64 << 20)
         monkeypatch.setattr(slice_reads, "REQUEST_BYTES", 64 << 20)
@@ -136,6 +135,51 @@ def test_unreadable_layouts_fall_back_to_model_fn(tmp_path, checkpoints):
     os.remove(no_st / "model.safetensors")
     with pytest.raises(ck.Unsupported):
         ck.meta_model(str(no_st))
+
+
+def test_start_up_prefetch_asks_for_the_files_read_at_start_up(checkpoints, monkeypatch):
+    """The master has the kernel read the checkpoints the workers read at start-up: every model's files in
+    order while their bytes over the workers fit in host_budget; none in paper mode."""
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, a, n, advice: (
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), advice)), real(fd, a, n, advice)))
+    names = ["opt0", "opt1", "llama0"]
+    configs = [ModelConfig(m, zoo.load_causal_lm, {"path": checkpoints[m]}) for m in names]
+    configs.insert(1, ModelConfig("mlp", zoo.mlp))  # no checkpoint: nothing to read
+    files = [os.path.join(checkpoints[m], "model.safetensors") for m in names]
+    size = os.path.getsize(files[0])
+
+    def asked(*args):
+        advised.clear()
+        thread = slice_reads.prefetch_startup(configs, *args)
+        if thread is not None:
+            thread.join(30)
+        return [f for f, advice in advised if advice == os.POSIX_FADV_WILLNEED]
+    assert asked(None, 2) == files
+    assert asked(size, 2) == files[:2]  # half of each file per worker: two fit
+    assert asked(size // 2 - 1, 2) == []
+    assert asked(None, 2, True) == []
+
+
+def test_read_spans_cover_every_slice_once(checkpoints):
+    """The byte ranges the benchmarks' bare readers read: every slice inside them, in file order."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        ctx = StageContext(FakeGroups(Layout(2, 1, 2, False), 1), torch.device("cpu"), "o")
+        path = checkpoints["opt1"]
+        module, names = ck.meta_model(path, None, "o")
+        runner = make_runner(module, ModelConfig("o", zoo.load_causal_lm, {"path": path}), ctx)
+        store = ShardStore(runner.module, runner.segments, "cpu", source=ck.CheckpointSource("o", path, names,
+                                                                                             runner.module))
+        spans = slice_reads.read_spans(store.source, store.slots)
+    finally:
+        dist.destroy_process_group()
+    assert [(f, a) for f, a, _, _ in spans] == sorted((f, a) for f, a, _, _ in spans)
+    assert all(a <= first and first + (count - 1) * stride + run <= b
+               for _, a, b, pieces in spans for first, run, stride, count in pieces)
+    assert sum(run * count for *_, pieces in spans for _, run, _, count in pieces) == store.nbytes
 
 
 # ---- memory --------------------------------------------------------------------------------------
