@@ -76,42 +76,64 @@ def test_reload_seconds_measured_then_mean_bandwidth_then_size():
     assert ev.reload_s("a") == 0.5 and ev.reload_s("b") == pytest.approx(300 / (200 / 2.5))
 
 
-def _two_resident(eviction):
-    """big (300) then small (100) resident, one request each, big used first; a budget of 450."""
+def _big_and_small(eviction, big, small, small_first=False):
+    """big (300) and small (100) resident, asked ``big`` and ``small`` times; a budget of 450, so a third
+    model of 100 needs one of them to leave. Big is used first unless ``small_first``."""
     sizes = {"big": 300, "small": 100, "new": 100}
     s = Scheduler(list(sizes), None, sizes=sizes, device_budget=450, max_inflight=1, eviction=eviction)
-    serve(s, "big", 0.0)
-    serve(s, "small", 0.1)
+    for m, n, t in (("small", small, 0.0), ("big", big, 0.1)) if small_first else \
+            (("big", big, 0.0), ("small", small, 0.1)):
+        serve(s, m, t, arrivals=n)
     return s
 
 
-def test_cost_evicts_the_small_cheap_model_where_lru_evicts_the_big_one():
-    assert victims(_two_resident("lru"), "new", 0.2) == ["big"]
-    assert victims(_two_resident("cost"), "new", 0.2) == ["small"]
+def test_cost_values_reload_cost_per_byte_of_room():
+    """GreedyDual-Size: the big model reloads 3x slower but holds 3x the room; asked less often than the
+    small one, it leaves (LRU and a cost not divided by the size would evict the small one here)."""
+    assert victims(_big_and_small("lru", 3, 4, small_first=True), "new", 0.2) == ["small"]
+    s = _big_and_small("cost", 3, 4, small_first=True)
+    ev = s._eviction
+    assert ev.repeat_rate("small") > ev.repeat_rate("big")
+    assert ev.repeat_rate("big") * ev.reload_s("big") > ev.repeat_rate("small") * ev.reload_s("small")
+    assert victims(s, "new", 0.2) == ["big"]
 
 
-def test_cost_keeps_the_frequently_asked_model_that_lru_would_evict():
-    def scenario(eviction):
-        s = Scheduler(["hot", "cold", "new"], 2, max_inflight=1, eviction=eviction,
-                      sizes={"hot": 100, "cold": 100, "new": 100})
-        for i in range(10):
-            serve(s, "hot", 0.1 * i)             # ten requests in a second
-        serve(s, "cold", 1.0)                     # one, after them: cold is the most recently used
-        return victims(s, "new", 1.1)
-    assert scenario("lru") == ["hot"]
-    assert scenario("cost") == ["cold"]
-
-
-def test_cost_weighs_rate_against_reload_cost():
+def test_cost_weighs_rate_against_reload_cost_per_byte():
     def scenario(n_small_requests):
-        sizes = {"big": 300, "small": 100, "new": 100}
-        s = Scheduler(list(sizes), None, sizes=sizes, device_budget=450, max_inflight=1, eviction="cost")
-        serve(s, "big", 0.0)
-        for i in range(n_small_requests):
-            serve(s, "small", 0.01 * (i + 1))
-        return victims(s, "new", 0.5)
-    assert scenario(1) == ["small"]              # as often asked, 3x cheaper to reload
-    assert scenario(6) == ["big"]                # 6x as often asked outweighs 3x the bytes
+        return victims(_big_and_small("cost", 3, n_small_requests), "new", 0.5)
+    assert scenario(2) == ["small"]              # asked less often than big: it leaves, small as it is
+    assert scenario(4) == ["big"]                # asked more often: it keeps its room, big as the other is
+
+
+def test_cost_does_not_count_the_latest_request():
+    """A model asked once, just now, has shown no rate yet: it leaves before one asked steadily, although it
+    was used last (LRU evicts the steady one)."""
+    def scenario(eviction):
+        s = Scheduler(["steady", "once", "new"], 2, max_inflight=1, eviction=eviction,
+                      sizes=dict.fromkeys(["steady", "once", "new"], 100))
+        for i in range(3):
+            serve(s, "steady", float(i))
+        serve(s, "once", 3.0)
+        return s, victims(s, "new", 3.1)
+    assert scenario("lru")[1] == ["steady"]
+    s, out = scenario("cost")
+    assert out == ["once"]
+    assert s._eviction.repeat_rate("once") == 0.0 and s._eviction.rate("once") > 0
+    assert s._eviction.repeat_rate("steady") == pytest.approx(
+        s._eviction.rate("steady") * 2 / 3, rel=0.1)  # two of its three arrivals
+
+
+def test_cost_keeps_the_model_that_reloads_slowly():
+    """Same size, same requests: the one whose measured load took longer (e.g. read from disk) stays."""
+    ids = ["slow", "fast", "new"]
+    s = Scheduler(ids, 2, max_inflight=1, eviction="cost", sizes=dict.fromkeys(ids, 100))
+    serve(s, "slow", 0.0, arrivals=2)
+    serve(s, "fast", 0.1, arrivals=2)
+    s.record_load("slow", 2.0, 100)
+    s.record_load("fast", 0.1, 100)
+    serve(s, "slow", 0.2)                        # refreshed with the measured reload times
+    serve(s, "fast", 0.3)
+    assert victims(s, "new", 0.4) == ["fast"]
 
 
 def test_cost_still_honours_pinned_and_priority():
