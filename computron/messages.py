@@ -6,7 +6,8 @@ carries a ``seq`` so replies can be matched to it, and each has one reply type
 (``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
 ``RunBatch`` -> ``BatchDone``, ``Step`` -> ``StepDone``, ``AddModel`` ->
 ``ModelAdded``, ``RemoveModel`` -> ``ModelRemoved``, ``AddAdapter`` and
-``RemoveAdapter`` -> ``AdapterDone``, ``QueryStats`` -> ``Stats``),
+``RemoveAdapter`` -> ``AdapterDone``, ``QueryStats`` -> ``Stats``, ``SetHostModels`` ->
+``HostModelsSet``),
 or ``CommandFailed`` from any of them. The worker dispatches on the command's type.
 The replies that complete a model's command are ``CommandDone``s (command, rank,
 start and end); ``StepDone`` and ``Offloaded`` also carry what the runner
@@ -119,6 +120,16 @@ class RemoveAdapter:
     seq: int
     model_id: str
     adapter_id: str
+
+
+@dataclass(frozen=True)
+class SetHostModels:
+    """The models this rank keeps in host memory by plan (``Engine.set_host_models``), replacing the previous
+    set: the last to leave host memory for disk, and read from disk ahead of their next load, in this order,
+    while ``host_budget`` has room (on a thread beside the command loop). The reply comes once the reads are
+    done."""
+    seq: int
+    model_ids: Tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -253,6 +264,23 @@ class AdapterDone(CommandDone):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostModelsSet:
+    """The answer to ``SetHostModels``, once this rank has read ahead what it had room for."""
+    seq: int
+    rank: int
+    start: float
+    end: float
+    host_resident: Tuple[str, ...] = ()
+    """The models whose shard this rank holds in host memory now."""
+    read: Tuple[str, ...] = ()
+    """Planned models read from disk ahead of their load."""
+    no_room: Tuple[str, ...] = ()
+    """Planned models left on disk: only models on the device, loading, or planned held the room they need."""
+    failed: Dict[str, str] = field(default_factory=dict)
+    """Planned models whose read failed -> why (they are read again on their next load)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelRemoved(CommandDone):
     """The answer to ``RemoveModel``: what this rank holds after the model left."""
     device_bytes: int
@@ -336,6 +364,8 @@ class Stats:
     """KV caches of paused sequences parked in host memory."""
     host_resident: tuple = ()
     """Models whose shard this rank holds in host memory (the others wait on disk: disk tier)."""
+    host_kept: tuple = ()
+    """The models this rank keeps in host memory by plan (``SetHostModels``)."""
     lora_fills: int = 0
     """LoRA adapters brought into a device slot so far (all models), and the seconds those copies took."""
     lora_fill_s: float = 0.0

@@ -124,34 +124,40 @@ class ShardBuilder:
 
 class BackgroundBuilds:
     """One thread that runs the builds of models added while serving, one at a time, in the order their
-    commands arrived (the same on every rank)."""
+    commands arrived (the same on every rank); or, named otherwise, other background work of a worker (the
+    reads ahead of ``worker_host``: mostly I/O, so ``switch_interval_s`` None leaves the GIL's alone)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, what: str = "build", switch_interval_s: Optional[float] = BUILD_SWITCH_INTERVAL_S):
         self._rank = rank
+        self._what = what
+        self._switch_interval_s = switch_interval_s
         self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, job: Callable[[], None]) -> None:
-        """``job`` builds and replies itself; it must not raise."""
+        """``job`` does its work and replies itself; it must not raise."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"computron-build-{self._rank}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"computron-{self._what}-{self._rank}",
+                                            daemon=True)
             self._thread.start()
         self._jobs.put(job)
 
     def _run(self) -> None:
-        lower_this_thread("building models added while serving")
+        lower_this_thread(f"{self._what} work beside the command loop")
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             before = sys.getswitchinterval()
-            sys.setswitchinterval(BUILD_SWITCH_INTERVAL_S)
+            if self._switch_interval_s is not None:
+                sys.setswitchinterval(self._switch_interval_s)
             try:
                 job()
             except Exception:  # noqa: BLE001 - a job replies its own failures; this is a bug, said out loud
-                log.exception("rank %d: a background build failed unexpectedly", self._rank)
+                log.exception("rank %d: a background %s job failed unexpectedly", self._rank, self._what)
             finally:
-                sys.setswitchinterval(before)
+                if self._switch_interval_s is not None:
+                    sys.setswitchinterval(before)
 
     def close(self, timeout: float) -> None:
         """Let the build in hand finish (within ``timeout``); builds not started are dropped."""

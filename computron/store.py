@@ -199,22 +199,39 @@ class ShardStore(Store):
 
     def _drop_host(self) -> None:
         host, self.host = self.host, {}
+        self.give_host(host)
+
+    def give_host(self, host: Dict[torch.dtype, torch.Tensor]) -> None:
+        """Let host buffers go (back to the host pool when there is one)."""
         for buf in host.values():
             if self.host_pool is not None:
                 self.host_pool.give(buf)
             else:
                 free_host(buf)
 
-    def read_host(self) -> Tuple[float, int]:
-        """Read the shard from the checkpoint into host memory now (start-up); (seconds, bytes)."""
+    def read_host_copy(self) -> Tuple[Dict[torch.dtype, torch.Tensor], float, int]:
+        """Read the shard from the checkpoint into fresh host buffers that are not yet the store's:
+        (buffers, seconds, bytes). The caller makes them the host copy (``adopt_host``) or lets them go
+        (``give_host``): a read ahead of a load runs beside the command loop, which may meanwhile have
+        started a load reading the shard itself."""
         from .slice_reads import read_segments
         host = self.alloc_host()
         try:
             dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments)
         except BaseException:
-            self.host = host
-            self._drop_host()
+            self.give_host(host)
             raise
+        return host, dt, n
+
+    def adopt_host(self, host: Dict[torch.dtype, torch.Tensor]) -> None:
+        """Make buffers of ``read_host_copy`` the host copy (the store must have none, and not be loading)."""
+        if self.host or self.resident:
+            raise RuntimeError("the shard already has a host copy, or is resident or loading")
+        self.host = host
+
+    def read_host(self) -> Tuple[float, int]:
+        """Read the shard from the checkpoint into host memory now (start-up); (seconds, bytes)."""
+        host, dt, n = self.read_host_copy()
         self.host = host
         self.last_read_s, self.last_read_bytes = dt, n
         return dt, n

@@ -1,7 +1,9 @@
 """A worker rank: builds its shard of every model, then executes commands in order.
 
 Models added while serving are built on a thread beside the command loop
-(``shard_builder.BackgroundBuilds``) and removed on the loop itself.
+(``shard_builder.BackgroundBuilds``) and removed on the loop itself. Under
+``host_budget``, which shards stay in host memory (and the models kept there by
+plan, read ahead of their loads) is ``worker_host.HostTier``'s business.
 
 Commands arrive in the same order on every rank. LOAD starts an asynchronous
 copy and returns at once, so batches of other models keep running meanwhile;
@@ -29,12 +31,13 @@ from .memory import DevicePool, HostPool
 from .models.base import GenerativeRunner, ParkResult, StageRunner
 from .shard_builder import BackgroundBuilds, ShardBuilder
 from .worker_changes import ModelChanges
+from .worker_host import HostTier
 from .store import Store
 
 log = logging.getLogger("computron.worker")
 
 
-class Worker(ModelChanges):
+class Worker(ModelChanges, HostTier):
     def __init__(self, rank: int, groups, channel, model_configs: List[ModelConfig],
                  engine_config: EngineConfig, device: torch.device):
         self.rank = rank
@@ -55,6 +58,7 @@ class Worker(ModelChanges):
         self._builder = ShardBuilder(rank, groups, device, engine_config, self.pool, self.copy_stream,
                                      self.host_pool)
         self._builds = BackgroundBuilds(rank)
+        self._init_host_tier()
         self.lora: Dict[str, Any] = {}
         """Model key -> its ``lora.slots.LoraSlots``, once an adapter was added to it."""
         self._registry_lock = threading.Lock()
@@ -64,7 +68,8 @@ class Worker(ModelChanges):
             msg.Load: self._on_load, msg.Offload: self._on_offload, msg.Drop: self._on_drop,
             msg.RunBatch: self._on_run, msg.Step: self._on_step, msg.QueryStats: self._on_stats,
             msg.AddModel: self._on_add_model, msg.RemoveModel: self._on_remove_model,
-            msg.AddAdapter: self._on_add_adapter, msg.RemoveAdapter: self._on_remove_adapter}
+            msg.AddAdapter: self._on_add_adapter, msg.RemoveAdapter: self._on_remove_adapter,
+            msg.SetHostModels: self._on_set_host_models}
         """The command loop's dispatch: one handler per command type (``Shutdown`` ends the loop)."""
 
     # ---- start-up ------------------------------------------------------------
@@ -100,29 +105,6 @@ class Worker(ModelChanges):
                  built.store.nbytes / 2**20,
                  "from checkpoint slices" if built.from_checkpoint else "from model_fn", built.seconds,
                  built.where)
-
-    def _make_host_room(self, store) -> None:
-        """Before a model comes from disk: let least recently used models go back to disk (never one
-        resident on the device or loading) until it fits in ``host_budget``."""
-        budget = self.config.host_budget
-        if budget is None or store.host_resident:
-            return
-        # a resident store holds its host copy, or is reading it on its load thread right now
-        used = sum(s.nbytes if s.resident else s.host_bytes() for s in self.stores.values())
-        victims = sorted((s for s in self.stores.values() if s.evictable and s is not store),
-                         key=lambda s: s.last_used)
-        names = {id(s): m for m, s in self.stores.items()}
-        for v in victims:
-            if used + store.nbytes <= budget:
-                break
-            used -= v.release_host()
-            log.info("rank %d: %s leaves host memory for disk (host LRU)", self.rank, names[id(v)])
-        if self.host_pool is not None:  # what the pool keeps besides the buffers this model will reuse
-            self.host_pool.trim(max(0, budget - used - store.nbytes), keep_for=store.host_numels)
-        if used + store.nbytes > budget:
-            log.warning("rank %d: %s needs %.1f MB of host memory but only %.1f MB of host_budget is free "
-                        "(the rest is resident or loading): it goes over the budget", self.rank,
-                        names[id(store)], store.nbytes / 2**20, max(0, budget - used) / 2**20)
 
     def host_resident(self) -> tuple:
         """Models whose shard this rank holds in host memory."""
@@ -209,6 +191,7 @@ class Worker(ModelChanges):
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.config.heartbeat_timeout_s)
         self._builds.close(timeout=self.config.shutdown_grace_s)
+        self._close_host_tier(timeout=self.config.shutdown_grace_s)
         for store in self.stores.values():
             try:
                 store.wait_loaded()
@@ -243,8 +226,6 @@ class Worker(ModelChanges):
         store = self._store(cmd.model_id)
         self._host_clock += 1
         store.last_used = self._host_clock
-        if not store.resident and not store.host_resident:
-            self._make_host_room(store)  # the disk read itself runs on the load thread
 
         def done(start: float, end: float, error: Optional[BaseException]) -> None:  # on the load thread
             if error is not None:
@@ -254,7 +235,10 @@ class Worker(ModelChanges):
                                           end=end, nbytes=store.nbytes, device_bytes=self.device_bytes(),
                                           tier=store.last_tier, read_s=store.last_read_s,
                                           read_bytes=store.last_read_bytes, host_resident=self.host_resident()))
-        store.begin_load(done)  # returns at once, except in paper mode where it copies here
+        with self._host_lock:  # the read-ahead thread changes which stores hold host memory too
+            if not store.resident and not store.host_resident:
+                self._make_host_room(cmd.model_id, store)  # the disk read itself runs on the load thread
+            store.begin_load(done)  # returns at once, except in paper mode where it copies here
 
     def _on_step(self, cmd: msg.Step) -> None:
         store = self._store(cmd.model_id)
@@ -307,6 +291,7 @@ class Worker(ModelChanges):
             host_bytes=sum(s.host_bytes() for s in self.stores.values()),
             resident=tuple(m for m, s in self.stores.items() if s.resident),
             kv_bytes=self.kv_bytes(), host_kv_bytes=self.host_kv_bytes(), host_resident=self.host_resident(),
+            host_kept=tuple(sorted(self.host_kept)),
             lora_fills=sum(s.fills for s in self.lora.values()),
             lora_fill_s=sum(s.fill_s for s in self.lora.values())))
 

@@ -62,7 +62,9 @@ class ModelChanges:
         if store is not None:
             if isinstance(runner, GenerativeRunner):
                 runner.drop_all()
-            store.close()
+            with self._host_lock:  # after this, a read ahead of the model gives its buffers back
+                store.close()
+            self.host_kept = self.host_kept - {mid}
             if self.host_pool is not None and self.config.host_budget is not None:
                 used = sum(s.host_bytes() for s in self.stores.values())
                 self.host_pool.trim(max(0, self.config.host_budget - used))

@@ -66,7 +66,8 @@ def add_counters(a: Dict[str, Dict], b: Dict[str, Dict]) -> Dict[str, Dict]:
 
 
 def merge_model(per_group: Dict[int, ModelSnapshot]) -> ClusterModelSnapshot:
-    """One model over the groups that serve it: the best state and tier, queues summed, the latest swaps."""
+    """One model over the groups that serve it: the best state and tier, queues summed, the latest swaps;
+    ``host_plan`` where some group keeps it in host memory by plan (each group's snapshot says which)."""
     snaps = list(per_group.values())
     best = min(snaps, key=lambda s: _STATES.index(s.state) if s.state in _STATES else 9)
     lasts = {k: [getattr(s, k) for s in snaps if getattr(s, k)] for k in ("last_load", "last_offload")}
@@ -77,7 +78,8 @@ def merge_model(per_group: Dict[int, ModelSnapshot]) -> ClusterModelSnapshot:
         pinned=any(s.pinned for s in snaps),
         **{k: max(v, key=lambda d: d.get("wall_time", 0)) if v else None for k, v in lasts.items()},
         version=max(s.version for s in snaps), draining_versions=sum(s.draining_versions for s in snaps),
-        base=best.base, groups={i: s.state for i, s in per_group.items()})
+        base=best.base, host_plan=any(s.host_plan for s in snaps), host_bytes=max(s.host_bytes for s in snaps),
+        groups={i: s.state for i, s in per_group.items()})
 
 
 class GroupView:

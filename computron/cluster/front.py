@@ -16,8 +16,10 @@ When Ray has restarted a group (a push with a new ``incarnation``), the front br
 date with the catalog (models added, replaced or removed since the group was launched, pins and
 priorities); until then the router sends it only the models whose version it holds (``tags``).
 
-Beside it: ``board.py`` (the groups' last pushes, merged into the server's views) and ``catalog.py`` (the
-served models every group follows: adding, replacing, removing them, and bringing a restarted group up to date).
+Beside it: ``board.py`` (the groups' last pushes, merged into the server's views), ``catalog.py`` (the
+served models every group follows: adding, replacing, removing them, and bringing a restarted group up to date)
+and ``placement.py`` (which models each group keeps in host memory, re-planned from the requests routed and
+the groups' pushes).
 """
 from __future__ import annotations
 
@@ -33,18 +35,21 @@ from ..errors import EngineDeadError, LaunchError, RequestTimeoutError, UnknownM
 from .board import Board, ClusterSnapshot, GroupDied, short_error
 from .catalog import CatalogMixin
 from .groups import GroupUpdate, Relayed, request_tokens
+from .placement import HostPlacement, HostPlanning
 from .policy import GroupState, NoGroupError
 
 log = logging.getLogger("computron.cluster")
 
 
-class ClusterEngine(CatalogMixin):
+class ClusterEngine(CatalogMixin, HostPlanning):
     """The server's ``EngineClient`` over ``groups`` (``EngineGroup`` actor handles, index = group), routed
     by ``router``; ``model_configs`` are the models the groups were launched with (the catalog).
-    ``start`` subscribes to every group and waits for their engines."""
+    ``start`` subscribes to every group and waits for their engines. ``placement``: the host placement's
+    re-planning state (``placement.HostPlacement``; its defaults when not given)."""
 
     def __init__(self, groups: Sequence[Any], router, model_configs: Sequence[Any] = (), *,
-                 placement_groups: Sequence[Any] = (), shutdown_grace_s: float = 30.0):
+                 placement_groups: Sequence[Any] = (), shutdown_grace_s: float = 30.0,
+                 placement: Optional[HostPlacement] = None):
         self._groups = list(groups)
         self._router = router
         self._pgs = list(placement_groups)
@@ -59,6 +64,7 @@ class ClusterEngine(CatalogMixin):
         self._closed = False
         self.retries = 0
         """Requests sent to a second group because the first died before answering."""
+        self._placement = placement or HostPlacement(len(self._groups))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="computron-cluster-front", daemon=True)
 
@@ -77,6 +83,9 @@ class ClusterEngine(CatalogMixin):
         if bad:
             self.close()
             raise LaunchError("engine groups failed to start: " + "; ".join(f"group {i}: {r}" for i, r in bad.items()))
+        with self._lock:  # the first host plan, now that every group is there
+            self._placement.started = True
+        self._plan_hosts()
         return self
 
     async def _watch(self, i: int) -> None:
@@ -109,7 +118,11 @@ class ClusterEngine(CatalogMixin):
     def _on_update(self, i: int, upd: GroupUpdate) -> None:
         with self._lock:
             restarted = self._board.record(i, upd)
-            self._router.update(self._routed_state(upd, self._views[i].seq))
+            routed = self._routed_state(upd, self._views[i].seq)
+            self._router.update(routed)
+            if restarted:
+                self._placement.down(i)
+            self._observe_for_plan(i, upd, routed.served, time.monotonic())
         if restarted:
             self._loop.create_task(self._reconcile(i))
         self._notify(i, upd)
@@ -123,6 +136,7 @@ class ClusterEngine(CatalogMixin):
                 log.error("engine group %d is down%s: %s", i, " for good" if permanent else " (Ray restarts it)",
                           short_error(exc))
             self._router.update(GroupState(group=i, alive=False, seq=self._board.down(i, reason, permanent)))
+            self._placement.down(i)
         self._notify(i, None)
 
     def _suspect(self, i: int, incarnation: Optional[str], err: GroupDied) -> None:
@@ -188,8 +202,11 @@ class ClusterEngine(CatalogMixin):
         with self._lock:
             if self._closed:
                 raise EngineDeadError("the cluster is shut down")
+            now = time.monotonic()
+            if not exclude:  # a retry is the same request
+                self._note_arrival(model_id, now)
             try:
-                g = self._router.route(model_id, tokens, time.monotonic(), exclude)
+                g = self._router.route(model_id, tokens, now, exclude)
             except NoGroupError as exc:
                 if model_id not in self._catalog:
                     raise UnknownModelError(model_id, self._catalog) from None

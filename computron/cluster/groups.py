@@ -15,7 +15,7 @@ its subscribers, and ``watch`` (a Ray streaming generator the front keeps open) 
 back: the open stream is how a group pushes to it. A stream that ends with an actor error is how the
 front learns that the group died.
 
-Errors of the engine travel as ``Relayed`` (some of ours, like ``UnknownModelError``, cannot be rebuilt
+Errors of the engine travel as ``Relayed`` (``relay.py``; some of ours, like ``UnknownModelError``, cannot be rebuilt
 by pickle from their message alone); the front re-raises the original type, so the HTTP server answers
 404, 400, 429 or 504 exactly as it does over one engine.
 """
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import logging
 import os
-import pickle
 import re
 import threading
 import time
@@ -37,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from .policy import GroupState
+from .relay import Relayed  # noqa: F401 - its home was here: still importable from here
 
 log = logging.getLogger("computron.cluster")
 
@@ -83,40 +82,8 @@ class GroupUpdate:
     """The engine's worker processes: rank -> pid."""
     node: str = ""
     """The node (host name) the group runs on."""
-
-
-class Relayed(Exception):
-    """An exception raised in a group, carried to the front by type name, args and attributes, and
-    rebuilt there without calling its ``__init__`` (``original``)."""
-
-    def __init__(self, where: Tuple[str, str], args: tuple, state: dict, text: str):
-        super().__init__(text)
-        self.where, self.exc_args, self.state, self.text = where, args, state, text
-
-    @classmethod
-    def of(cls, exc: BaseException) -> "Relayed":
-        where = (type(exc).__module__, type(exc).__qualname__)
-        args, state = exc.args, dict(getattr(exc, "__dict__", {}))
-        try:
-            pickle.dumps((args, state))
-        except Exception:  # noqa: BLE001 - an unpicklable attribute: keep the message
-            args, state = (str(exc),), {}
-        return cls(where, args, state, f"{type(exc).__name__}: {exc}")
-
-    def __reduce__(self):
-        return type(self), (self.where, self.exc_args, self.state, self.text)
-
-    def original(self) -> BaseException:
-        try:
-            obj: Any = importlib.import_module(self.where[0])
-            for part in self.where[1].split("."):
-                obj = getattr(obj, part)
-            exc = obj.__new__(obj)
-            exc.args = self.exc_args
-            exc.__dict__.update(self.state)
-            return exc
-        except Exception:  # noqa: BLE001 - a type the front cannot import
-            return RuntimeError(self.text)
+    host_budget: Optional[int] = None
+    """Its engine's ``host_budget`` (bytes per rank; None: every shard stays in host memory)."""
 
 
 def group_bundle(tp: int, pp: int, n_groups: int, cluster: Dict[str, float], use_gpu: bool) -> Dict[str, float]:
@@ -249,8 +216,8 @@ class EngineGroup:
     def _update(self, since: int) -> Tuple[GroupUpdate, int]:
         cursor, events = self.engine.events(max(0, since - 1))  # the last one again: steps extend it in place
         snap = self.engine.snapshot()
-        upd = GroupUpdate(self._state(snap), snap, self.engine.counters(), events,
-                          self.incarnation, dict(self.tags), self.worker_pids(), os.uname().nodename)
+        upd = GroupUpdate(self._state(snap), snap, self.engine.counters(), events, self.incarnation,
+                          dict(self.tags), self.worker_pids(), os.uname().nodename, self.engine.config.host_budget)
         return upd, cursor
 
     async def watch(self) -> AsyncIterator[GroupUpdate]:
@@ -336,6 +303,16 @@ class EngineGroup:
             self.engine.set_priority(model_id, priority)
         except Exception as exc:  # noqa: BLE001
             raise Relayed.of(exc) from None
+
+    async def set_host_models(self, model_ids: List[str]) -> bool:
+        """``Engine.set_host_models`` (the front's host placement, ``placement.py``), then a push."""
+        self._bind()
+        try:
+            kept = await self.engine.set_host_models(model_ids)
+        except Exception as exc:  # noqa: BLE001
+            raise Relayed.of(exc) from None
+        self._changed()
+        return kept
 
     # ---- views ---------------------------------------------------------------------
     async def snapshot(self):

@@ -25,7 +25,11 @@ and which copies to keep is decided before where they go, so that re-planning ca
   copies, each move being a disk read, and never for the noise of a rate estimate; then the other copies,
   busiest model first (longest-processing-time order, which balances best), each to the group with room
   whose placed rate is lowest (hot models spread over the groups, and with them their traffic), then the
-  one with the most room left. A copy that fits nowhere is left out.
+  one with the most room left. A copy that fits nowhere (the groups' room is in pieces: budgets that are
+  not multiples of the sizes, copies that stayed) takes the place of copies of less gain on one group, the
+  least gain per byte first, where that loses the least gain, if it gains ``1 + STAY_SLACK`` times more than
+  it takes out (no move for the noise of a rate); else it is left out. Without this, a model that was never
+  requested and stayed put would keep out the copy of a model that became hot.
 
 Re-planning: the caller calls ``plan`` again with fresh rates (e.g. every few seconds with rates counted
 over a recent window) and applies the difference.
@@ -104,17 +108,59 @@ def plan(rates: Mapping[str, float], sizes: Mapping[str, int], load_s: Mapping[s
     def share(m: str) -> float:
         return max(0.0, float(rates.get(m, 0.0))) / (len(holders.get(m, ())) + 1)
 
+    def take(m: str, g: int) -> None:  # put's inverse
+        r = max(0.0, float(rates.get(m, 0.0)))
+        hs = holders[m]
+        placed_rate[g] -= r / len(hs)
+        hs.remove(g)
+        for h in hs:
+            placed_rate[h] += r / len(hs) - r / (len(hs) + 1)
+        out[g].discard(m)
+        free[g] += sizes[m]
+
+    gain_of = {(m, k): gain for _, gain, m, k in items}
+    copy_gain: Dict[int, Dict[str, float]] = {g: {} for g in host_budget}  # the gain of each placed copy
+
+    def place(m: str, k: int, g: int) -> None:
+        put(m, g)
+        copy_gain[g][m] = gain_of[(m, k)]
+
+    def displace(m: str, k: int) -> None:
+        """Make room for copy ``k`` of ``m`` on one group by taking out copies of less gain (see above)."""
+        gain, best = gain_of[(m, k)], None
+        for g in sorted(out):
+            if m in out[g]:
+                continue
+            weaker = sorted((x for x in out[g] if copy_gain[g][x] < gain),
+                            key=lambda x: (copy_gain[g][x] / sizes[x], x))
+            room, drop = free[g], []
+            for x in weaker:
+                if room >= sizes[m]:
+                    break
+                drop.append(x)
+                room += sizes[x]
+            lost = sum(copy_gain[g][x] for x in drop)
+            if room >= sizes[m] and lost * (1 + STAY_SLACK) < gain and (best is None or lost < best[0]):
+                best = (lost, g, drop)
+        if best is not None:
+            for x in best[2]:
+                take(x, best[1])
+                del copy_gain[best[1]][x]
+            place(m, k, best[1])
+
     later = []
     for m, k in chosen:  # copies that stay where they were
         stay = [h for h in sorted(out) if m in previous.get(h, ()) and m not in out[h] and free[h] >= sizes[m]
                 and placed_rate[h] + share(m) <= cap]
         if stay:
-            put(m, min(stay, key=lambda h: placed_rate[h]))
+            place(m, k, min(stay, key=lambda h: placed_rate[h]))
         else:
-            later.append(m)
-    later.sort(key=lambda m: -max(0.0, float(rates.get(m, 0.0))))  # busiest first: the best balance (LPT)
-    for m in later:  # the others, where the traffic is lowest
+            later.append((m, k))
+    later.sort(key=lambda mk: -max(0.0, float(rates.get(mk[0], 0.0))))  # busiest first: the best balance (LPT)
+    for m, k in later:  # the others, where the traffic is lowest
         room = [g for g in out if m not in out[g] and free[g] >= sizes[m]]
         if room:
-            put(m, min(room, key=lambda g: (placed_rate[g], -free[g], g)))
+            place(m, k, min(room, key=lambda g: (placed_rate[g], -free[g], g)))
+        else:
+            displace(m, k)
     return out

@@ -73,6 +73,8 @@ class Catalog:
         self._adding: Dict[str, Done] = {}
         self.adapters_on: Callable[[str], List[str]] = lambda model_id: []
         """The adapters on a model id (``adapters.py`` sets it): a base with adapters keeps its version."""
+        self.on_id_change: Callable[[str], None] = lambda model_id: None
+        """Told when an id names a new version or none any more (``host_models.py`` sets it)."""
 
     # ---- what callers ask ----------------------------------------------------
     def key_of(self, model_id) -> str:
@@ -154,6 +156,7 @@ class Catalog:
         old = self.current.get(mid)
         self.current[mid] = key
         self._swaps.note_host_resident(added)
+        self.on_id_change(mid)
         log.info("%s %s: version %d built on every rank in %.2f s", "replaced" if replace else "added", mid,
                  self._versions[mid], now - p.start)
         if replace and old is not None:
@@ -183,6 +186,7 @@ class Catalog:
         self._check_idle(model_id)
         self._check_no_adapters(model_id, "removed")
         del self.current[model_id]
+        self.on_id_change(model_id)
         keys = [key] + self.old_versions(model_id)
         log.info("removing %s (%s)", model_id, "its admitted requests finish first" if drain
                  else "its admitted requests fail now")

@@ -33,6 +33,8 @@ class CommandKind(enum.Enum):
     """A retired version leaves every rank."""
     ADD_ADAPTER = "add_adapter"
     REMOVE_ADAPTER = "remove_adapter"
+    HOST_MODELS = "host_models"
+    """The models every rank keeps in host memory by plan (``host_models.py``)."""
     CLEANUP = "cleanup"
     """Releases what a failure left behind on the workers (an offload after a failed load, a drop of
     sequences some ranks still hold): nobody waits for it, its errors are only logged."""

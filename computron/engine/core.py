@@ -14,11 +14,11 @@ Components (one owner each, all called under the engine's lock):
 batch of token-level generation), ``swaps.Swaps`` (loads and offloads),
 ``liveness.Liveness`` (heartbeats, the watchdog), ``telemetry.Telemetry``
 (records, timeline, counters), ``catalog.Catalog`` (which models and versions
-exist; adding, replacing, removing them while serving) and ``adapters.Adapters``
-(LoRA adapters on served models). ``views.EngineViews`` is the read-only half of
-the public API. Causal LMs generate token by token
-(``EngineConfig.step_mode``); other models, and paper mode, run each batch as
-one command.
+exist; adding, replacing, removing them while serving), ``adapters.Adapters``
+(LoRA adapters on served models) and ``host_models.HostModels`` (the models kept
+in host memory by plan). ``views.EngineViews`` is the read-only half of the public API.
+Causal LMs generate token by token (``EngineConfig.step_mode``); other models, and
+paper mode, run each batch as one command.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from .batches import RequestLevel
 from .adapters import Adapters, check_adapter_config
 from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
+from .host_models import HostModels, HostModelsControl
 from .liveness import Liveness
 from .preparation import preparation_pool
 from .requests import RequestTable
@@ -52,7 +53,7 @@ from .views import EngineViews
 log = logging.getLogger("computron.engine")
 
 
-class Engine(EngineViews):
+class Engine(EngineViews, HostModelsControl):
     def __init__(self, config: EngineConfig, model_configs: List[ModelConfig], layout, channel,
                  workers: List[msg.WorkerReady], on_close: Optional[Callable[[bool], None]] = None):
         self.config = config
@@ -79,19 +80,22 @@ class Engine(EngineViews):
         self._token_level = TokenLevel(token_batches, self._requests, self._tracker, self._telemetry,
                                        self._sched, config.kv_swap, self.n_workers)
         self._swaps = Swaps(self._sched, self._tracker, self._requests, self._token_level, self._telemetry,
-                            self.n_workers, config.host_budget,
-                            {w.rank: w.host_resident for w in workers if w.host_resident is not None})
+                            self.n_workers, config.host_budget, workers)
         self._request_level = RequestLevel(self._batch_managers, self._requests, self._tracker, self._telemetry,
                                            self._sched)
         self._catalog = Catalog(config, model_configs, self._sched, self._tracker, self._requests,
                                 self._token_level, self._swaps)
         self._adapters = Adapters(self._tracker, self._requests, self._catalog, self._token_level)
         self._catalog.adapters_on = self._adapters.on_base
+        self._host_models = HostModels(config.host_budget, self._tracker, self._catalog, self._adapters.base_of,
+                                       self._swaps)
+        self._catalog.on_id_change = self._host_models.id_changed
         self._liveness = Liveness(self.n_workers, config.heartbeat_timeout_s, config.command_timeout_s)
         self._handlers = {CommandKind.LOAD: self._swaps.complete, CommandKind.OFFLOAD: self._swaps.complete,
                           CommandKind.STEP: self._token_level.complete_step,
                           CommandKind.BATCH: self._request_level.complete,
-                          CommandKind.STATS: complete_query, CommandKind.CLEANUP: complete_cleanup,
+                          CommandKind.STATS: complete_query, CommandKind.HOST_MODELS: complete_query,
+                          CommandKind.CLEANUP: complete_cleanup,
                           CommandKind.ADD: self._catalog.complete_add,
                           CommandKind.REMOVE: self._catalog.complete_remove,
                           CommandKind.ADD_ADAPTER: self._adapters.complete_add,

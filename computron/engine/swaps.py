@@ -11,7 +11,7 @@ did load. The master's view of where each model's shards sit in host memory
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional
 
 from .. import messages as msg
 from ..errors import WorkerError
@@ -28,7 +28,7 @@ log = logging.getLogger("computron.engine")
 class Swaps:
     def __init__(self, scheduler: Scheduler, tracker: CommandTracker, requests: RequestTable,
                  token_level: TokenLevel, telemetry: Telemetry, n_workers: int, host_budget: Optional[int],
-                 host_resident: Mapping[int, Iterable[str]]):
+                 workers: Iterable[msg.WorkerReady]):
         self._sched = scheduler
         self._tracker = tracker
         self._requests = requests
@@ -36,14 +36,26 @@ class Swaps:
         self._telemetry = telemetry
         self._n_workers = n_workers
         self._host_budget = host_budget
-        self._host_resident: Dict[int, set] = {r: set(held) for r, held in host_resident.items()}
+        workers = list(workers)
+        self._host_resident: Dict[int, set] = {w.rank: set(w.host_resident) for w in workers
+                                               if w.host_resident is not None}
         """Per rank, the models whose shard it holds in host memory, as its last load reported."""
+        self.shard_bytes: Dict[str, int] = {m: max(w.host_bytes.get(m, 0) for w in workers)
+                                            for w in workers for m in w.host_bytes}
+        """Per model (key), its largest shard: the host memory it takes on the rank it takes the most of."""
 
-    def note_host_resident(self, replies: Iterable[msg.CommandDone]) -> None:
-        """What the ranks hold in host memory after a model was added or removed."""
+    def note_host_resident(self, replies: Iterable[Any]) -> None:
+        """What the ranks hold in host memory after a model was added or removed, or a host plan set."""
+        replies = list(replies)
         for x in replies:
             if getattr(x, "host_resident", None) is not None:
                 self._host_resident[x.rank] = set(x.host_resident)
+        added = [x for x in replies if isinstance(x, msg.ModelAdded)]
+        if added:
+            self.shard_bytes[added[0].model_id] = max(x.host_bytes for x in added)
+        for x in replies:
+            if isinstance(x, msg.ModelRemoved):
+                self.shard_bytes.pop(x.model_id, None)
 
     def tier(self, model_id: str, state: ModelState) -> str:
         """'device' while resident; else 'host' where every rank holds its shard in host memory, 'disk'

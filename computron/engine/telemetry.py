@@ -43,6 +43,10 @@ class ModelSnapshot:
     """Earlier versions still finishing the requests admitted under them."""
     base: Optional[str] = None
     """A LoRA adapter's: the model it runs on (state and tier are that model's)."""
+    host_plan: bool = False
+    """Kept in host memory by plan (``Engine.set_host_models``): the last to go to disk, read ahead from it."""
+    host_bytes: int = 0
+    """Its largest shard: the host memory it takes on the rank it takes the most of."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -65,6 +65,7 @@ class EngineViews:
         """Where every model is and what it is doing, for a status page or a health check."""
         with self._lock:
             models = {}
+            planned = self._host_models.keys()
             for m, k in self._catalog.current.items():
                 state = self._sched.state(k)
                 tb = self._token_level.batches.get(k)
@@ -74,7 +75,8 @@ class EngineViews:
                     running=len(tb.running) if tb else self._sched.in_flight(k), paused=tb.paused() if tb else 0,
                     token_level=tb is not None, pinned=self._sched.is_pinned(k),
                     last_load=last.get("load"), last_offload=last.get("offload"),
-                    version=self._catalog.version(m), draining_versions=len(self._catalog.old_versions(m)))
+                    version=self._catalog.version(m), draining_versions=len(self._catalog.old_versions(m)),
+                    host_plan=k in planned, host_bytes=self._swaps.shard_bytes.get(k, 0))
             for a, base in self._adapters.base_of.items():
                 mine = [r for r in self._requests.requests.values() if r.adapter == a]
                 running = sum(1 for r in mine if r.spec is not None)

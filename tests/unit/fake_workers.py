@@ -8,7 +8,7 @@ per rank, of the type ``computron.worker`` sends for that command
 (``Load`` -> ``Loaded``, ``Offload`` -> ``Offloaded``, ``Drop`` -> ``Dropped``,
 ``Step`` -> ``StepDone``, ``RunBatch`` -> ``BatchDone``, ``AddModel`` -> ``ModelAdded``,
 ``RemoveModel`` -> ``ModelRemoved``, ``AddAdapter``/``RemoveAdapter`` -> ``AdapterDone``,
-``QueryStats`` -> ``Stats``), or ``CommandFailed``
+``SetHostModels`` -> ``HostModelsSet``, ``QueryStats`` -> ``Stats``), or ``CommandFailed``
 through ``fail``. A model added while serving is a causal LM unless its id is in
 ``request_level``.
 
@@ -222,6 +222,8 @@ class FakeWorkers:
             return msg.ModelRemoved(**done, model_id=cmd.model_id, device_bytes=0, host_bytes=0)
         if isinstance(cmd, (msg.AddAdapter, msg.RemoveAdapter)):
             return msg.AdapterDone(**done, model_id=cmd.model_id, adapter_id=cmd.adapter_id)
+        if isinstance(cmd, msg.SetHostModels):  # every planned shard read ahead
+            return msg.HostModelsSet(**done, host_resident=tuple(cmd.model_ids), read=tuple(cmd.model_ids))
         if isinstance(cmd, msg.QueryStats):
             return msg.Stats(seq=cmd.seq, rank=rank, device_bytes=self.nbytes * len(self.resident),
                              device_reserved_bytes=0, host_bytes=self.nbytes, resident=tuple(sorted(self.resident)))

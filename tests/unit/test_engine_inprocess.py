@@ -640,7 +640,7 @@ async def test_snapshot_follows_a_model_through_its_states():
     snap = engine.snapshot()
     assert isinstance(snap, EngineSnapshot) and snap.alive and snap.dead_reason is None
     assert snap.models["a"] == ModelSnapshot(state="offloaded", tier="host", waiting=0, running=0, paused=0,
-                                             token_level=True, pinned=False)
+                                             token_level=True, pinned=False, host_bytes=w.nbytes)
     task = await started(engine.submit("a", gen(max_tokens=3)))
     a = engine.snapshot().models["a"]
     assert (a.state, a.tier, a.waiting, a.running) == ("loading", "device", 1, 0)
