@@ -17,11 +17,13 @@ the same adapters merged into full checkpoints (``merge_and_unload``). Measured 
 - ``rate_ratio_vs_merged``: the **sustainable rate** of one engine holding the base and its adapters / that
   of one engine holding the merged checkpoints (``max_loaded=1`` both: one model resident, as when a device
   holds one base) (target >= 3). Each engine replays the same seeded Poisson traces (``--duration`` s each,
-  requests spread evenly over the fine-tunes) at the rates of ``--rates``' first; its sustainable rate
+  longer where needed for ``--min-requests``; requests spread evenly over the fine-tunes) at rates of the
+  ``--rates`` grid, from ``--start-rate`` up while sustained, else down until sustained; its sustainable rate
   is the highest whose p90 latency stays within ``--slo-factor`` times one lone request's latency on the
-  adapter engine (the same bound for both). Per rate: mean and p90 latency, loads.
+  adapter engine (the same bound for both) while the next rate up does not. Per rate: mean and p90
+  latency, loads so far; ``merged_engine.load_s_median``: what one swap of a merged checkpoint took.
 
-    .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (a few minutes)
+    .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (about ten minutes)
     .venv/bin/python benchmarks/lora.py --quick         # opt-tiny, short trace (the tests' path)
 """
 from __future__ import annotations
@@ -50,10 +52,12 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--tokens", type=int, default=32, help="new tokens per sequence in the batch comparison")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rates", default="0.25,0.5,0.71,1,1.41,2,2.83,4,5.66,8",
-                   help="trace rates tried in turn (requests/s over all fine-tunes, steps of about 1.41x), until one "
-                        "is not sustained")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of each rate's trace")
+    p.add_argument("--rates", default="0.0625,0.088,0.125,0.177,0.25,0.35,0.5,0.71,1,1.41,2,2.83,4,5.66,8",
+                   help="the rates that may be tried (requests/s over all fine-tunes, steps of about 1.41x)")
+    p.add_argument("--start-rate", type=float, default=0.5, help="the first rate tried, for both engines")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of each rate's trace, at least")
+    p.add_argument("--min-requests", type=int, default=24,
+                   help="each rate's trace lasts long enough for this many requests (its p90 is no lone outlier)")
     p.add_argument("--slo-factor", type=float, default=4.0)
     p.add_argument("--trace-tokens", type=int, default=8, help="new tokens per request of the trace")
     p.add_argument("--tp", type=int, default=1)
@@ -63,7 +67,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.adapters, args.rank, args.tokens, args.repeats = "opt-tiny", 4, 8, 8, 1
-        args.rates, args.duration, args.trace_tokens = "1,2,4,8", 3.0, 4
+        args.rates, args.duration, args.trace_tokens, args.start_rate, args.min_requests = "1,2,4,8", 3.0, 4, 1, 3
     return args
 
 
@@ -100,28 +104,35 @@ def write_checkpoints(args) -> tuple:
 
 
 def trace(args, rate, ids):
+    """Seeded Poisson arrivals at ``rate``, over ``--duration`` s or long enough for ``--min-requests``, the
+    fine-tunes in turn."""
     rng = np.random.default_rng(args.seed)
+    span = max(args.duration, args.min_requests / rate)
     t, out = 0.0, []
     while True:
         t += rng.exponential(1.0 / rate)
-        if t >= args.duration:
+        if t >= span:
             return out
         out.append((t, ids[len(out) % len(ids)]))
 
 
 async def sustainable(engine, args, ids, prompt, bound_s) -> tuple:
-    """(the highest rate of ``--rates`` whose p90 latency stays within ``bound_s``, a row per rate tried)."""
-    best, rows = 0.0, []
-    for rate in (float(x) for x in args.rates.split(",")):
+    """(the highest rate of ``--rates`` whose p90 latency stays within ``bound_s`` while the next one up does
+    not, a row per rate tried): from ``--start-rate`` up while sustained, else down until sustained (0.0
+    when even the lowest is not)."""
+    grid = sorted(float(x) for x in args.rates.split(","))
+    i = min(range(len(grid)), key=lambda k: abs(grid[k] - args.start_rate))
+    rows, ok = [], {}
+    while 0 <= i < len(grid) and grid[i] not in ok:
+        rate = grid[i]
         lat = await replay(engine, trace(args, rate, ids), prompt, args.trace_tokens)
         p90 = float(np.percentile(lat, 90)) if len(lat) else 0.0
+        ok[rate] = p90 <= bound_s
         rows.append({"rate": rate, "requests": len(lat), "mean_s": float(lat.mean()) if len(lat) else 0.0,
-                     "p90_s": p90, "loads": len(engine.metrics("load"))})
+                     "p90_s": p90, "sustained": ok[rate], "loads_so_far": len(engine.metrics("load"))})
         log(f"  rate {rate}/s: {rows[-1]}")
-        if p90 > bound_s:
-            break
-        best = rate
-    return best, rows
+        i += 1 if ok[rate] else -1
+    return max((r for r, good in ok.items() if good), default=0.0), rows
 
 
 async def replay(engine, arrivals, prompt, n):
@@ -190,7 +201,9 @@ async def merged_run(args, merged, prompt, bound_s: float) -> dict:
     engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1), configs, args.tp)
     async with engine:
         rate, rows = await sustainable(engine, args, [mc.model_id for mc in configs], prompt, bound_s)
-        return {"sustainable_rate": rate, "rates": rows, "trace_loads": len(engine.metrics("load"))}
+        loads = [r.end - r.start for r in engine.metrics("load")]
+        return {"sustainable_rate": rate, "rates": rows, "trace_loads": len(loads),
+                "load_s_median": float(np.median(loads)) if loads else None}
 
 
 def main(argv=None):
@@ -202,12 +215,12 @@ def main(argv=None):
     m = asyncio.run(merged_run(args, merged, prompt, a["latency_bound_s"]))
     log(f"[merged] {json.dumps(m)}")
     doc = {"benchmark": "lora", "model": args.model, "adapters": args.adapters, "rank": args.rank,
-           "targets_modules": list(ATTENTION), "tp": args.tp, "rates_tried": args.rates,
+           "targets_modules": list(ATTENTION), "tp": args.tp, "rates_grid": args.rates, "start_rate": args.start_rate, "min_requests": args.min_requests,
            "duration_s": args.duration,
            "mixed_batch_tokens_per_s_ratio": a["mixed_tokens_per_s"] / a["bare_tokens_per_s"],
            "adapter_load_vs_base_load": a["adapter_fill_s"] / a["base_load_s"],
            # the merged engine sustaining none of the rates: the ratio is above ours / the lowest rate tried
-           "rate_ratio_vs_merged": a["sustainable_rate"] / (m["sustainable_rate"] or float(args.rates.split(",")[0])),
+           "rate_ratio_vs_merged": a["sustainable_rate"] / (m["sustainable_rate"] or min(float(x) for x in args.rates.split(","))),
            "rate_ratio_vs_merged_is_lower_bound": not m["sustainable_rate"],
            "rate_ratio_measure": "sustainable rate (adapters / merged): the highest rate tried whose p90 latency "
                                  "stays within slo_factor x a lone request's latency, same traces",
