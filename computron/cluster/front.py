@@ -34,9 +34,10 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 from ..errors import EngineDeadError, LaunchError, RequestTimeoutError, UnknownModelError
 from .board import Board, ClusterSnapshot, GroupDied, short_error
 from .catalog import CatalogMixin
-from .groups import GroupUpdate, Relayed, request_tokens
+from .groups import GroupUpdate, request_tokens
 from .placement import HostPlacement, HostPlanning
 from .policy import GroupState, NoGroupError
+from .relay import Relayed
 
 log = logging.getLogger("computron.cluster")
 

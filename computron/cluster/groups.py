@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from .policy import GroupState
-from .relay import Relayed  # noqa: F401 - its home was here: still importable from here
+from .relay import Relayed
 
 log = logging.getLogger("computron.cluster")
 

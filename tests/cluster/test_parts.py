@@ -4,7 +4,8 @@ the timeline)."""
 import pickle
 
 from computron.cluster.board import Board, Timeline, add_counters
-from computron.cluster.groups import GroupUpdate, Relayed, group_bundle, model_of, request_tokens
+from computron.cluster.groups import GroupUpdate, group_bundle, model_of, request_tokens
+from computron.cluster.relay import Relayed
 from computron.cluster.policy import GroupState
 from computron.engine import EngineSnapshot, ModelSnapshot
 from computron.errors import EngineDeadError, PayloadError, UnknownModelError
