@@ -12,8 +12,10 @@ plain thread each, one process per rank, all at once. The page cache of every ch
 (``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed) before each engine start, each floor, each
 request and each paired read: every figure is cold (``--disk-rows`` adds warm ones).
 
-- ``startup_vs_floor``: median over ``--startup-reps`` pairs (the order alternates, and a throwaway process
-  imports the libraries before each, so that their files are cached for both alike) of spawn-to-ready
+- ``startup_vs_floor``: median over ``--startup-reps`` pairs (the order alternates, an even count by default:
+  whichever of the two starts second is faster on this machine, ``startup_vs_floor_by_order`` shows by how
+  much; and a throwaway process imports the libraries before each, so that their files are cached for both
+  alike) of spawn-to-ready
   (``LaunchEngine``, every shard read into host memory) / the floor: ``floor_import_s`` (the bare
   processes' spawn until all have imported) + ``floor_read_s`` (the same number of bare processes reading
   every slice their rank reads at start-up, at once, into fresh memory). ``startup_cpu_vs_floor``: the
@@ -35,7 +37,7 @@ request and each paired read: every figure is cold (``--disk-rows`` adds warm on
   machine's memory, served with a small ``host_budget``; every model must answer what transformers'
   ``generate`` of its checkpoint answers, and every process's peak RSS stay within its budget + 1 GiB.
 
-    .venv/bin/python benchmarks/tiers.py                  # 8 x opt-125m (vocab 512) fp16, ~4 min
+    .venv/bin/python benchmarks/tiers.py                  # 8 x opt-125m (vocab 512) fp16, ~5 min
     .venv/bin/python benchmarks/tiers.py --model opt-350m
     .venv/bin/python benchmarks/tiers.py --only beyond    # 10 x opt-1.3b fp16 (26 GB, written once)
     .venv/bin/python benchmarks/tiers.py --disk-rows --model opt-1.3b --vocab 0 --models 2 --tp 1  # gpu_check.sh
@@ -80,7 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--device", default=None, help="EngineConfig.device (None: cuda where there is one)")
-    p.add_argument("--startup-reps", type=int, default=3, help="engine / floor start-up pairs")
+    p.add_argument("--startup-reps", type=int, default=6,
+                   help="engine / floor start-up pairs (even: as many with the engine first as with the floor first)")
     p.add_argument("--host-models", type=int, default=3, help="host_budget in shards of one model")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=2)
@@ -172,6 +175,9 @@ def measure_startup(args, configs, spans, module, files, work, res) -> None:
     res.update({"startup_s": med([p[0] for p in pairs]), "startup_floor_s": med([p[1] for p in pairs]),
                 "floor_import_s": med([p[2] for p in pairs]), "floor_read_s": med([p[3] for p in pairs]),
                 "startup_vs_floor": med([p[0] / p[1] for p in pairs]),
+                "startup_vs_floor_by_order": {  # whichever starts second is faster here: hence the even count
+                    "floor_first": med([p[0] / p[1] for k, p in enumerate(pairs) if k % 2 == 0]),
+                    "engine_first": med([p[0] / p[1] for k, p in enumerate(pairs) if k % 2 == 1])},
                 "startup_pairs": [[round(x, 3) for x in p[:2]] for p in pairs],
                 "startup_cpu_s": med([p[4] for p in pairs]), "floor_cpu_s": med([p[5] for p in pairs]),
                 "startup_cpu_vs_floor": med([p[4] / p[5] for p in pairs]), "build_s": med(build),
