@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 
 from . import messages as msg
 from .config import EngineConfig, ModelConfig
+from .errors import LaunchError
 from .scheduler import Scheduler
 
 
@@ -28,14 +29,18 @@ def device_budget(config: EngineConfig, workers: List[msg.WorkerReady]) -> Optio
 
 
 def check_memory(config: EngineConfig, workers: List[msg.WorkerReady]) -> None:
-    """Refuse, before serving, models that can never fit the device budget (names and numbers)."""
-    budget = device_budget(config, workers)
+    """Refuse, before serving, models that can never fit the device budget (``LaunchError`` with names and
+    numbers; also when the budget itself cannot be resolved)."""
+    try:
+        budget = device_budget(config, workers)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     if budget is None:
         return
     sizes = model_sizes(config, workers)
     too_big = {m: b for m, b in sizes.items() if b > budget}
     if too_big:
-        raise ValueError(f"EngineConfig.device_budget={budget} bytes per rank cannot hold "
+        raise LaunchError(f"EngineConfig.device_budget={budget} bytes per rank cannot hold "
                          + ", ".join(f"model {m!r} ({b} bytes per rank: shard + {config.kv_reserve:g} KV reserve)"
                                      for m, b in sorted(too_big.items())))
 

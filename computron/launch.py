@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import messages as msg
 from . import preflight
+from .budget import check_memory
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
 from .errors import LaunchError
@@ -223,7 +224,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             raise LaunchError("the master could not join the workers' process group in time")
         if "error" in init:
             raise LaunchError(f"the master could not join the process group: {init['error']}")
-        _check_memory(config, ready)
+        check_memory(config, ready)
     except BaseException:
         workers.stop(grace_s=0)
         if dist.is_initialized():
@@ -295,14 +296,6 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
                      payload.rank, payload.host, payload.device, len(payload.host_bytes),
                      sum(payload.host_bytes.values()) / 2**20, timeout - (deadline - time.monotonic()))
     return ready
-
-
-def _check_memory(config: EngineConfig, ready: List[msg.WorkerReady]) -> None:
-    from .budget import check_memory
-    try:
-        check_memory(config, ready)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from None
 
 
 def _destroy_in_background(wait_s: float) -> None:
@@ -381,7 +374,7 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     problems += [f"rank {f.rank}:\n{f.error}" for f in router.failed]
     if not problems:
         try:
-            _check_memory(config, [worker.ready_message()] + router.ready)
+            check_memory(config, [worker.ready_message()] + router.ready)
         except LaunchError as exc:
             problems.append(str(exc))
     if problems:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -85,12 +84,8 @@ async def serve_cluster(cfg, sock, configs, served: Dict[str, Any], groups: int,
     """``cli.serve`` over ``groups`` engine groups on Ray: same arguments (``cli.prepare``'s ``configs`` and
     ``served``, the socket ``preflight.reserve_port`` bound), same exit status (2: Ray missing or a bad
     ``--groups``; 1: a group failed to start; 0 after a graceful stop)."""
-    from functools import partial
-
     from ..errors import LaunchError
-    from ..server.app import create_app
-    from ..server.building import build_model
-    from ..server.cli import _uvicorn_server
+    from ..server.cli import serve_engine
     if groups < 1:
         print(f"computron serve: error: --groups={groups}: must be >= 1", file=sys.stderr)
         return 2
@@ -100,7 +95,6 @@ async def serve_cluster(cfg, sock, configs, served: Dict[str, Any], groups: int,
         print(f"computron serve: error: {exc}", file=sys.stderr)
         return 2
     ray = _ray()
-    s = cfg.server
     log.info("starting %d engine groups of %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d per group; "
              "router: %s", groups, cfg.tp * cfg.pp, cfg.tp, cfg.pp, len(cfg.models),
              ", ".join(f"{m.id} ({m.path})" for m in cfg.models) or "none yet", cfg.engine.max_loaded, router)
@@ -111,22 +105,7 @@ async def serve_cluster(cfg, sock, configs, served: Dict[str, Any], groups: int,
         except LaunchError as exc:
             log.error("the engine groups failed to start: %s", exc)
             return 1
-        app = create_app(cluster, settings=s, owns_engine=True, models=served,
-                         build=partial(build_model, default_max_batch_size=cfg.engine.max_batch_size))
-        state = app.state.computron
-
-        def on_signal(sig):
-            if not state.draining:
-                log.info("%s: draining (no new connections; in-flight requests get %.0fs), then stopping",
-                         signal.Signals(sig).name, s.drain_s)
-            state.draining = True
-        server = _uvicorn_server(app, cfg, on_signal)
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            await cluster.shutdown()  # idempotent; the lifespan already did it on a normal stop
-        log.info("stopped")
-        return 0
+        return await serve_engine(cfg, sock, cluster, served)
     finally:
         if started_ray:
             ray.shutdown()

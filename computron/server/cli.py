@@ -153,17 +153,13 @@ def prepare(cfg: ServeConfig):
 
 async def serve(cfg: ServeConfig, sock, configs, served) -> int:
     """Start the engine, then serve HTTP on ``sock`` (bound by ``preflight.reserve_port``) until a signal."""
-    from functools import partial
-
     from ..errors import LaunchError
     from ..launch import LaunchEngine
-    from .app import create_app
-    from .building import build_model
-    s = cfg.server
     log.info("starting %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d", cfg.tp * cfg.pp, cfg.tp,
              cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path or f'LoRA {m.adapter} on {m.base}'})"
                                          for m in cfg.models) or "none yet",
              cfg.engine.max_loaded)
+    s = cfg.server
     if s.model_repository:
         log.info("model repository %s: its models load on their first request%s", s.model_repository,
                  f"; rescanned every {s.repository_poll_s:g}s" if s.repository_poll_s else "")
@@ -172,6 +168,17 @@ async def serve(cfg: ServeConfig, sock, configs, served) -> int:
     except LaunchError as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
+    return await serve_engine(cfg, sock, engine, served)
+
+
+async def serve_engine(cfg: ServeConfig, sock, engine, served) -> int:
+    """Serve HTTP on ``sock`` over a started ``engine`` (an ``Engine``, or the groups' ``ClusterEngine``)
+    until a signal drains it, then shut the engine down; returns the exit status."""
+    from functools import partial
+
+    from .app import create_app
+    from .building import build_model
+    s = cfg.server
     app = create_app(engine, settings=s, owns_engine=True, models=served,
                      build=partial(build_model, default_max_batch_size=cfg.engine.max_batch_size))
     state = app.state.computron
