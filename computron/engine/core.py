@@ -15,10 +15,10 @@ batch of token-level generation), ``swaps.Swaps`` (loads and offloads),
 ``liveness.Liveness`` (heartbeats, the watchdog), ``telemetry.Telemetry``
 (records, timeline, counters), ``catalog.Catalog`` (which models and versions
 exist; adding, replacing, removing them while serving), ``adapters.Adapters``
-(LoRA adapters on served models) and ``host_models.HostModels`` (the models kept
-in host memory by plan). ``views.EngineViews`` is the read-only half of the public API.
-Causal LMs generate token by token (``EngineConfig.step_mode``); other models, and
-paper mode, run each batch as one command.
+(LoRA adapters on served models) and ``host_models.HostModels`` (the models kept in host
+memory by plan). ``views.EngineViews`` is the read-only half of the public API. Causal LMs
+generate token by token (``EngineConfig.step_mode``); other models, and paper mode, run
+each batch as one command.
 """
 from __future__ import annotations
 
@@ -223,13 +223,14 @@ class Engine(EngineViews, HostModelsControl):
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def run(self) -> None:
-        """Block the calling thread until the engine is shut down (a server's main loop).
-
-        Raises EngineDeadError if it ended because a worker died (after shutting the rest down).
-        """
-        self._stopped.wait()
-        dead = self._dead if not self._closed.is_set() else None
-        self.close()
+        """Block the calling thread until the engine is shut down (a server's main loop). Raises
+        EngineDeadError if it ended because a worker died (after shutting the rest down); on Ctrl-C it
+        shuts the engine down itself (as SIGTERM's handler does) before the interruption goes on."""
+        try:
+            self._stopped.wait()
+        finally:
+            dead = self._dead if not self._closed.is_set() else None
+            self.close()
         if dead is not None:
             raise EngineDeadError(dead)
 
