@@ -57,10 +57,17 @@ def test_attach_mode_under_colossalai_run():
     _check_mlp_output(out, 4)
 
 
+def _default_sigint():
+    """In the child before it runs: SIGINT's default disposition, whatever pytest was started with (a shell
+    starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited and kept by Python)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_without_leftovers(sig):
     proc = subprocess.Popen([sys.executable, "examples/echo/serve_echo.py", "--serve", "--tp", "2"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
     try:
         line = proc.stdout.readline()
         assert line.strip() == "READY", line + proc.stderr.read()
