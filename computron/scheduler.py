@@ -25,20 +25,16 @@ Rules:
   count cap) and, with a ``device_budget``, the resident models' ``sizes``
   (bytes per rank, KV reserve included) stay within it; idle victims are evicted
   until the waiting model fits, in the order of the ``eviction`` policy
-  (``eviction.py``: least recently used, or lowest expected reload cost);
-  ``pinned`` models are never evicted; a higher ``priority`` is visited first
-  and evicted last, whatever the eviction policy;
+  (``eviction.py``: least recently used, or lowest expected reload cost); ``pinned`` models
+  are never evicted; a higher ``priority`` is visited first and evicted last, whatever the policy;
 - a model that has just loaded is not evicted before its first batch;
-- token-level generation (``running``: models with live sequences): such a
-  model is never evicted by the rules above, only preempted under the policy
-  (``policies.py``: when, and which model goes first). Preemption queues the
-  victim's offload behind its step in flight and the waiting model's load right
-  behind that; the victim's sequences pause, and resume when it is loaded again.
+- token-level generation (``running``: models with live sequences): such a model is never
+  evicted by the rules above, only preempted under the policy (``policies.py``: when, and which
+  model goes first). Preemption queues the victim's offload behind its step in flight and the
+  waiting model's load right behind that; its sequences pause, and resume once it is back.
 
-Models may be added and removed while serving (``add_model``, ``remove_model``,
-``set_pinned``, ``set_priority``); the engine reports each admitted request
-(``note_arrival``) and each measured load (``record_load``) for the eviction
-policy's estimates.
+Models come and go while serving (``add_model``, ``remove_model``, ``set_pinned``, ``set_priority``);
+``note_arrival`` and ``record_load`` feed the eviction policy's estimates.
 """
 from __future__ import annotations
 
@@ -51,7 +47,6 @@ from computron.policies import (MIN_TURN_STEPS, POLICIES, POLICY_RULES, Action, 
 
 __all__ = ["Scheduler", "ModelState", "ActionKind", "Reason", "Action", "MIN_TURN_STEPS", "POLICIES", "EVICTIONS",
            "Policy", "choose_recompute"]
-
 
 _RESIDENT = (ModelState.LOADING, ModelState.LOADED, ModelState.OFFLOADING)
 
