@@ -75,11 +75,15 @@ class Step:
     out, a stop string), then runs the prefill of ``admit`` and one decode step of
     the sequences already running. The output rank answers with one token per
     sequence; every rank drops the sequences that ended (EOS, max_tokens) itself.
+    ``prefill_apart``: run that as two forwards, a decode of the running sequences and
+    a prefill of ``admit``, not one that pads the running rows to the longest prompt
+    (``policies.prefill_apart``, the master's choice, so that every rank makes the same).
     """
     seq: int
     model_id: str
     admit: Tuple[SeqSpec, ...] = ()
     drop: Tuple[int, ...] = ()
+    prefill_apart: bool = False
 
 
 @dataclass(frozen=True)

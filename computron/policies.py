@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Set
+from typing import Mapping, Optional, Sequence, Set
 
 
 class ModelState(enum.Enum):
@@ -129,3 +129,26 @@ def choose_recompute(contexts: Mapping[int, int], kv_bytes_per_token: float, cop
 
 
 ATTENTION_SCALE = 4096
+
+
+APART_MIN_WASTE = {"cpu": 2e9, "cuda": 4e12}
+"""Wasted positions x shard bytes per rank from which ``prefill_apart`` splits a step, by device type: about
+four positions of a 0.5 GB shard on a CPU (tens of ms, a TP=2 forward's fixed cost over gloo), a few hundred
+of a 14 GB shard on a GPU (where a forward is bound by reading its weights up to about that many rows)."""
+
+
+def prefill_apart(n_running: int, prompt_lens: Sequence[int], shard_bytes: int, device_type: str) -> bool:
+    """Whether a step that admits prompts of ``prompt_lens`` while ``n_running`` sequences run should prefill
+    them in a forward of their own, after a decode forward of the running ones, rather than in one forward.
+
+    One forward gives every row the longest prompt's width ``W``: the running rows' ``n_running * (W - 1)``
+    padding positions are computed for nothing, each at about the cost of reading the rank's weights
+    (``shard_bytes``). Two forwards pay a second forward's fixed cost instead. Split where the waste is
+    more than the positions the step needs and, in position-bytes, at least ``APART_MIN_WASTE``.
+    """
+    if not n_running or not prompt_lens:
+        return False
+    width = max(prompt_lens)
+    waste = n_running * (width - 1)
+    needed = n_running + len(prompt_lens) * width
+    return waste > needed and waste * shard_bytes >= APART_MIN_WASTE.get(device_type, APART_MIN_WASTE["cuda"])

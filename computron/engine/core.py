@@ -78,7 +78,7 @@ class Engine(EngineViews, HostModelsControl):
                              for m, bm in self._batch_managers.items()
                              if isinstance(bm, CausalLMBatchManager) and self._batching_info(m) is not None}
         self._token_level = TokenLevel(token_batches, self._requests, self._tracker, self._telemetry,
-                                       self._sched, config.kv_swap, self.n_workers)
+                                       self._sched, config.kv_swap, self.n_workers, workers[0].device)
         self._swaps = Swaps(self._sched, self._tracker, self._requests, self._token_level, self._telemetry,
                             self.n_workers, config.host_budget, workers)
         self._request_level = RequestLevel(self._batch_managers, self._requests, self._tracker, self._telemetry,

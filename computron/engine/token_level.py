@@ -19,7 +19,7 @@ import torch
 from .. import messages as msg
 from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
-from ..policies import choose_recompute
+from ..policies import choose_recompute, prefill_apart
 from ..scheduler import Scheduler
 from ..sequences import Cancelled, Request, TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
@@ -36,7 +36,7 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 
 class TokenLevel:
     def __init__(self, batches: Dict[str, TokenBatch], requests: RequestTable, tracker: CommandTracker,
-                 telemetry: Telemetry, scheduler: Scheduler, kv_swap: str, n_workers: int):
+                 telemetry: Telemetry, scheduler: Scheduler, kv_swap: str, n_workers: int, device: str = "cpu"):
         self.batches = batches
         self._requests = requests
         self._tracker = tracker
@@ -44,6 +44,7 @@ class TokenLevel:
         self._sched = scheduler
         self._kv_swap = kv_swap
         self._n_workers = n_workers
+        self._device_type = device.split(":")[0]
 
     def add_model(self, model_id: str, batch: TokenBatch) -> None:
         self.batches[model_id] = batch
@@ -70,8 +71,11 @@ class TokenLevel:
             self._requests.finish(uid, error=PayloadError(
                 f"model {model_id!r}: malformed request: {type(exc).__name__}: {exc}",
                 getattr(exc, "param", None), str(exc)))
+        apart = prefill_apart(len(tb.running) - len(admit), [len(a.prompt) for a in admit],
+                              self._sched.sizes.get(model_id, 0), self._device_type)
         pending = self._tracker.send(
-            CommandKind.STEP, model_id, lambda seq: msg.Step(seq, model_id, admit=tuple(admit), drop=drop),
+            CommandKind.STEP, model_id,
+            lambda seq: msg.Step(seq, model_id, admit=tuple(admit), drop=drop, prefill_apart=apart),
             start=t0, uids=tuple(tb.running), admitted=len(admit), dropped=len(drop),
             prompt_tokens=sum(len(a.prompt) for a in admit))
         pending.master_s = time.perf_counter() - t0

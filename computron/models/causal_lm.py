@@ -236,6 +236,22 @@ class CausalLMRunner(GenerativeRunner):
             y = None
         return y, failed, err
 
+    def _forward_with_adapters(self, rows, ids, mask, new: int, cache, failed: bool):
+        """``_chain`` with row ``i`` on adapter ``rows[i]`` (where any row has one); a failure to bring an
+        adapter in fails this forward on this rank, which still makes its transfers."""
+        lora, err = (self.lora if any(r is not None for r in rows) else None), None
+        try:
+            if lora is not None and not failed:
+                lora.activate(rows)
+        except Exception as exc:  # noqa: BLE001
+            failed, err = True, exc
+        try:
+            y, failed, e = self._chain(ids, mask, new, cache, failed)
+        finally:
+            if lora is not None:
+                lora.deactivate()
+        return y, failed, err or e
+
     def step(self, cmd, weights_ready) -> StepResult:
         """Drop, prefill the admitted sequences, decode the running ones: one token each.
 
@@ -256,21 +272,25 @@ class CausalLMRunner(GenerativeRunner):
         tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
         failed, err = False, None
         rows = [rb.specs[s].adapter for s in rb.sids] + [a.adapter for a in admit]
-        lora = self.lora if any(r is not None for r in rows) else None
         try:
             weights_ready()
-            if lora is not None:
-                lora.activate(rows)
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
-        ids, mask, width = rb.step_inputs([list(a.prompt) for a in admit], int(self.batching_defaults().pad_token_id),
-                                          dev)
-        try:
-            y, failed, e = self._chain(ids, mask, width, rb.cache, failed)
-        finally:
-            if lora is not None:
-                lora.deactivate()
-        err = err or e
+        prompts, pad = [list(a.prompt) for a in admit], int(self.batching_defaults().pad_token_id)
+        apart = bool(cmd.prefill_apart and n_run and admit)
+        if apart:  # (adapters of the rows, input ids, mask, new columns, cache) of each forward
+            ids, mask = rb.decode_inputs()
+            new_ids, new_mask, width, new_cache = rb.prefill_inputs(prompts, pad, dev)
+            forwards = [(rows[:n_run], ids, mask, 1, rb.cache), (rows[n_run:], new_ids, new_mask, width, new_cache)]
+        else:
+            ids, mask, width = rb.step_inputs(prompts, pad, dev)
+            forwards = [(rows, ids, mask, width, rb.cache)]
+        logits = []
+        for f_rows, f_ids, f_mask, f_new, f_cache in forwards:
+            y, failed, e = self._forward_with_adapters(f_rows, f_ids, f_mask, f_new, f_cache, failed)
+            err = err or e
+            logits.append(y)
+        y = None if failed or logits[-1] is None else torch.cat(logits)
         generators = {}
         if ctx.is_output_rank and not failed:
             try:
@@ -283,6 +303,8 @@ class CausalLMRunner(GenerativeRunner):
                                         g.layout.output_rank, g.data) or failed:
             rb.clear()
             raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
+        if apart:
+            mask = rb.merge_prefilled(mask, new_mask, new_cache)
         rb.joined(admit, generators, mask, tokens)
         toks = tokens.tolist()
         sids = list(rb.sids)

@@ -138,6 +138,41 @@ class RunningBatch:
                                           layer.values.new_zeros((n_new, *layer.values.shape[1:]))])
         return ids, torch.cat([old, new_mask], dim=1), width
 
+    # ---- or two: a decode forward and a prefill forward (``messages.Step.prefill_apart``) ----------
+    def decode_inputs(self):
+        """``(input_ids [R, 1], attention_mask [R, L + 1])``: one new token for each running row."""
+        return self.last[:, None], torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
+
+    @staticmethod
+    def prefill_inputs(prompts: List[List[int]], pad_id: int, device: torch.device):
+        """``(input_ids [N, W], attention_mask [N, W], W, cache)``: the prompts left-padded, a fresh cache."""
+        from transformers import DynamicCache
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64, device=device)
+        mask = torch.zeros((len(prompts), width), dtype=torch.int64, device=device)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64, device=device)
+            mask[i, width - len(prompt):] = 1
+        return ids, mask, width, DynamicCache()
+
+    def merge_prefilled(self, run_mask: torch.Tensor, new_mask: torch.Tensor, new_cache) -> torch.Tensor:
+        """Append the separately prefilled rows (their mask and cache) after the running ones, both
+        left-padded with masked columns to the longer length; returns the joined mask."""
+        length = max(run_mask.shape[1], new_mask.shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            short = length - t.shape[dim]
+            if not short:
+                return t
+            shape = list(t.shape)
+            shape[dim] = short
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for layer, new in zip(_layers(self.cache), _layers(new_cache)):
+            layer.keys = torch.cat([left_pad(layer.keys, 2), left_pad(new.keys, 2)])
+            layer.values = torch.cat([left_pad(layer.values, 2), left_pad(new.values, 2)])
+        return torch.cat([left_pad(run_mask, 1), left_pad(new_mask, 1)])
+
     def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask: torch.Tensor,
                last: torch.Tensor) -> None:
         """After a step's forward: the new rows' sequences join, every row has its newest token."""

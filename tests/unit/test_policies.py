@@ -4,6 +4,7 @@ import pytest
 
 from test_scheduler import load, offload, run, use
 
+from computron.policies import APART_MIN_WASTE, prefill_apart
 from computron.scheduler import MIN_TURN_STEPS, ActionKind, ModelState, Scheduler, choose_recompute
 
 
@@ -312,3 +313,15 @@ def test_note_arrival_and_record_load_feed_the_cost_estimates():
     assert ev.rate("a") > 0 and ev.rate("b") == 0
     with pytest.raises(ValueError, match="must be >= 0"):
         s.record_load("a", -1.0, 10)
+
+
+def test_prefill_apart_where_padding_would_waste_most_of_a_costly_step():
+    shard = 500_000_000  # opt-125m in fp32, one rank
+    assert not prefill_apart(0, [24], shard, "cpu")             # nothing runs: a plain prefill
+    assert not prefill_apart(4, [], shard, "cpu")               # nothing joins: a plain decode
+    assert prefill_apart(4, [24], shard, "cpu")                 # 92 of 120 positions wasted
+    assert not prefill_apart(8, [2], shard, "cpu")              # 8 wasted, 10 needed
+    assert not prefill_apart(4, [24], 100_000, "cpu")           # a tiny model: a second forward costs more
+    assert 4 * 23 * shard < APART_MIN_WASTE["cuda"] and not prefill_apart(4, [24], shard, "cuda")
+    assert prefill_apart(40, [24], 14_000_000_000, "cuda")     # a 7B shard in fp16, 920 positions wasted
+    assert prefill_apart(40, [24], 14_000_000_000, "xpu") == prefill_apart(40, [24], 14_000_000_000, "cuda")
