@@ -5,9 +5,10 @@ Prints exactly one JSON line on stdout; progress goes to stderr.
 ``--models`` random-weight checkpoints (``tiers_floor.write_checkpoints``, safetensors, written once to
 ``--dir`` and kept) are served at TP=``--tp`` x PP=``--pp`` with ``max_loaded=1``. Every measurement is
 paired with its floor in the same run (this machine is shared, and its disk's speed drifts 2-3x within
-minutes: only the ratios compare). The floors are bare processes (``tiers_floor.py``): started the way
-the engine starts its workers (``spawn``), importing only torch, transformers and the model's module,
-then reading the very byte ranges each rank reads (``slice_reads.read_spans`` of each rank's shard), one
+minutes: only the ratios compare). The floors are bare processes (``tiers_floor.py``): started as the
+engine's workers are here (``spawn``: the engines run with ``start_method="spawn"``, so that every start
+is cold, as a process's first launch is), importing only torch, transformers and the model's module, then
+reading the very byte ranges each rank reads (``slice_reads.read_spans`` of each rank's shard), one
 plain thread each, one process per rank, all at once. The page cache of every checkpoint file is dropped
 (``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed) before each engine start, each floor, each
 request and each paired read: every figure is cold (``--disk-rows`` adds warm ones).
@@ -139,7 +140,7 @@ def launch(args, configs, log_dir, files, **cfg):
     shutil.rmtree(log_dir, ignore_errors=True)
     t0 = time.perf_counter()
     engine = LaunchEngine(EngineConfig(max_loaded=1, log_dir=log_dir, start_timeout_s=1800, device=args.device,
-                                       **cfg), configs, args.tp, args.pp)
+                                       start_method="spawn", **cfg), configs, args.tp, args.pp)
     return engine, time.perf_counter() - t0
 
 

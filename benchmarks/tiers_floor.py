@@ -6,7 +6,7 @@ and the other child processes it runs.
 
 - ``rank_spans``: which bytes of which checkpoint file each rank reads (``slice_reads.read_spans`` of
   the shard each rank builds), computed in a child process on a fake process group (no collective runs).
-- ``BareProcesses``: ``n`` processes started the way the engine starts its workers (``spawn``), each
+- ``BareProcesses``: ``n`` processes started as ``tiers.py``'s engines start their workers (``spawn``), each
   importing only what any worker must (torch, transformers and the model's transformers module), then
   reading the byte ranges it is given: every slice into a destination buffer, the bytes between the
   slices of one merged range into a small discard buffer, one thread, file order, ``preadv`` requests

@@ -45,6 +45,11 @@ class EngineConfig:
     On a small shared CPU more threads than free cores make OpenMP spin against
     the master and each other (seen here: 40x slower forwards with 2 threads on 2 cores).
     """
+    start_method: str = "auto"
+    """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
+    imported torch and transformers once: later launches in this process skip those imports; spawn where
+    the platform has no fork server), 'spawn' (each a fresh interpreter that imports everything itself) or
+    'auto' (the fork server for CPU workers, spawn for CUDA ones: see ``process_setup.worker_context``)."""
     prepare_threads: int = 1
     """Threads that prepare requests whose batch manager tokenizes or decodes images (off the event loop
     and the engine's lock), at a lower CPU priority than the master's own threads, so that a burst of
@@ -128,6 +133,8 @@ class EngineConfig:
         if not isinstance(self.prepare_threads, int) or isinstance(self.prepare_threads, bool) \
                 or self.prepare_threads < 1:
             _fail(c, "prepare_threads", self.prepare_threads, "must be an int >= 1")
+        if self.start_method not in ("auto", "forkserver", "spawn"):
+            _fail(c, "start_method", self.start_method, "must be 'auto', 'forkserver' or 'spawn'")
         if not isinstance(self.worker_threads, int) or self.worker_threads < 0:
             _fail(c, "worker_threads", self.worker_threads, "must be an int >= 0 (0 = automatic)")
         if not isinstance(self.metrics_history, int) or self.metrics_history < 0:

@@ -1,11 +1,10 @@
 """Starting the engine: spawn mode (we start the workers) and attach mode (torchrun started us).
 
-Spawn mode: the calling process becomes the master, one extra rank after the
-``tp * pp`` workers, which it starts with the ``spawn`` method. Each worker
-reports ready or its start-up traceback over a pipe; the master waits on those
-pipes and on the processes' sentinels together, so a worker that dies during
-start-up fails the launch at once. Workers die with the master (a watcher
-thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
+Spawn mode: the calling process becomes the master, one extra rank after the ``tp * pp`` workers, which
+it starts from multiprocessing's fork server (``process_setup.worker_context``). Each worker reports
+ready or its start-up traceback over a pipe; the master waits on those pipes and on the processes'
+sentinels together, so a worker that dies during start-up fails the launch at once. Workers die with
+the master (a watcher thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
 
 Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``):
 global rank 0 hosts the master next to worker 0 and returns the engine; the
@@ -38,7 +37,8 @@ from .budget import check_memory
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
 from .errors import LaunchError
-from .process_setup import device_for, die_with_parent, free_port, setup_logging, threads_per_worker
+from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, in_fork_server,
+                            setup_logging, threads_per_worker, worker_context)
 from .reply_router import ReplyRouter
 from .slice_reads import prefetch_startup
 from .topology import Groups, Layout
@@ -58,7 +58,7 @@ def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], 
         raise ValueError(f"engine_config: expected EngineConfig, got {type(engine_config).__name__}")
     configs = check_model_configs(model_configs, allow_empty=True)  # models may be added while serving
     check_world(tp_world_size, pp_world_size, n_nodes, node_rank)
-    if mp.current_process().name.startswith("computron-worker"):
+    if mp.current_process().name.startswith("computron-worker") or in_fork_server():
         raise RuntimeError("LaunchEngine ran again inside a worker process, which imports the main module: "
                            "call it under `if __name__ == '__main__':`")
     adapters = [mc for mc in configs if mc.adapter is not None]  # added once the engine serves their bases
@@ -82,12 +82,14 @@ launch_computron = LaunchEngine
 # ---- spawn mode ---------------------------------------------------------------
 
 def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
-                 model_configs: List[ModelConfig], addr: str, port: int, status, from_main_thread: bool) -> None:
+                 model_configs: List[ModelConfig], addr: str, port: int, status, parent_thread_lasts: bool,
+                 env: dict) -> None:
+    adopt_environment(env)
     # the master decides when we stop: a signal to the whole process group (Ctrl-C, `kill -TERM -PGID`,
     # a supervisor) reaches the master, which drains and then stops us (SIGKILL if we don't exit)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(from_main_thread)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(parent_thread_lasts)
     setup_logging(config, rank)
     torch.set_num_threads(threads_per_worker(config, local_world))
     try:
@@ -107,9 +109,8 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     worker.serve()
     channel.reply(msg.Bye(rank))
     dist.destroy_process_group()
-    # nothing is left to do: skip the interpreter's teardown, where a C++ thread of the communication
-    # libraries still being torn down aborts the process now and then ("terminate called without an
-    # active exception" on the user's console)
+    # nothing is left to do: skip the interpreter's teardown, where a C++ thread of the communication libraries
+    # still being torn down aborts the process now and then ("terminate called without an active exception")
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -171,15 +172,15 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
     port = config.master_port or free_port(addr)
     local_world = layout.n_workers // n_nodes
     first = node_rank * local_world
-    ctx = mp.get_context("spawn")
+    ctx = worker_context(config)
+    lasts = ctx.get_start_method() == "forkserver" or threading.current_thread() is threading.main_thread()
     worker_configs = [mc.for_workers() for mc in configs]
     procs, status = [], []
     for i in range(local_world):
         recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker_main, name=f"computron-worker-{first + i}",
+        p = ctx.Process(target=_worker_main, name=f"computron-worker-{first + i}", daemon=True,
                         args=(first + i, i, local_world, layout, config, worker_configs, addr, port, send_end,
-                              threading.current_thread() is threading.main_thread()),
-                        daemon=True)
+                              lasts, dict(os.environ)))
         p.start()
         send_end.close()
         procs.append(p)

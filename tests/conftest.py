@@ -29,9 +29,9 @@ def no_leaked_processes():
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    from multiprocessing import resource_tracker
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)  # lives as long as pytest
-    extra = [p for p in me.children(recursive=True) if p.pid not in before and p.pid != tracker]
+    from helpers import multiprocessing_servers
+    lasting = multiprocessing_servers()  # live as long as pytest
+    extra = [p for p in me.children(recursive=True) if p.pid not in before and p.pid not in lasting]
     _, alive = psutil.wait_procs(extra, timeout=15)
     for p in alive:
         p.kill()

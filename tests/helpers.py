@@ -1,4 +1,6 @@
 """Model builders and references shared by the tests (module-level, so workers can unpickle them)."""
+import os
+
 import torch
 
 from computron import zoo
@@ -6,8 +8,42 @@ from computron import zoo
 MLP_SIZES = (16, 32, 32, 16)
 
 
+def multiprocessing_servers() -> set:
+    """The pids of the processes multiprocessing keeps for the life of this one (its resource tracker, and
+    the fork server workers start from): no test leaves them behind."""
+    from multiprocessing import forkserver, resource_tracker
+    return {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)} - {None}
+
+
+def is_multiprocessing_server(proc, parent_pid: int) -> bool:
+    """Whether ``proc`` (psutil) is the resource tracker or fork server of the process ``parent_pid``."""
+    cmd = " ".join(proc.cmdline())
+    return proc.ppid() == parent_pid and ("resource_tracker" in cmd or "forkserver" in cmd)
+
+
 def mlp(seed: int):
     return zoo.mlp(MLP_SIZES, seed=seed)
+
+
+def script_json(path: str, *args: str, timeout: float) -> dict:
+    """Run a benchmark or experiment script; it must succeed and print exactly one line, of JSON."""
+    import json
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout[-2000:]
+    return json.loads(lines[0])
+
+
+def env_scale():
+    """Multiplies its 4 inputs by ``COMPUTRON_TEST_SCALE`` as the worker building it sees that variable."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4) * float(os.environ["COMPUTRON_TEST_SCALE"]))
+    return model
 
 
 def failing_model_fn():

@@ -16,6 +16,7 @@ import yaml
 from computron import tokenizer_zoo
 from computron.engine import EngineSnapshot, ModelSnapshot
 from computron.server.engine_client import EngineClient
+from helpers import is_multiprocessing_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,9 +112,8 @@ class ServerProcess:
                                      cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.ps = psutil.Process(self.proc.pid)
         self._wait_ready(startup_timeout)
-        self.workers = self.ps.children(recursive=True)  # workers and multiprocessing's resource tracker
-        self.engine_workers = [p for p in self.workers
-                               if "resource_tracker" not in " ".join(p.cmdline()) and p.ppid() == self.proc.pid]
+        self.workers = self.ps.children(recursive=True)  # workers, multiprocessing's resource tracker and fork server
+        self.engine_workers = [p for p in self.workers if not is_multiprocessing_server(p, self.proc.pid)]
 
     def _wait_ready(self, timeout):
         deadline = time.monotonic() + timeout

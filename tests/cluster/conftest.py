@@ -30,9 +30,9 @@ def ray_session():
         yield ray
     finally:
         ray.shutdown()
-        from multiprocessing import resource_tracker
-        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-        extra = [p for p in me.children(recursive=True) if p.pid not in before and p.pid != tracker]
+        from helpers import multiprocessing_servers
+        lasting = multiprocessing_servers()  # live as long as pytest
+        extra = [p for p in me.children(recursive=True) if p.pid not in before and p.pid not in lasting]
         _, alive = psutil.wait_procs(extra, timeout=30)
         for p in alive:
             p.kill()

@@ -6,17 +6,14 @@ import sys
 
 import pytest
 
+from helpers import script_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(480)
 def test_residency_benchmark_quick_path():
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "residency.py"), "--quick"],
-                         capture_output=True, text=True, timeout=460)
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = run.stdout.strip().splitlines()
-    assert len(lines) == 1, run.stdout[-2000:]
-    doc = json.loads(lines[0])
+    doc = script_json(os.path.join(ROOT, "benchmarks", "residency.py"), "--quick", timeout=460)
     assert doc["benchmark"] == "residency"
     for key in ("bytes_moved_ratio", "ttft_p99_ratio", "targets", "sizes", "budget", "rates", "zipf"):
         assert key in doc, key

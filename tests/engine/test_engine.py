@@ -3,6 +3,7 @@ import asyncio
 import os
 import signal
 
+import psutil
 import pytest
 import torch
 from helpers import MLP_SIZES, big_mlp, greedy_reference, mlp, picky
@@ -215,7 +216,28 @@ def test_killed_worker_fails_everything_quickly():
     asyncio.run(go())
 
 
+def test_workers_fork_from_one_server_with_the_environment_of_their_launch(monkeypatch):
+    """On a CPU, workers are forks of multiprocessing's fork server, which the first launch starts and later
+    ones reuse; each worker still sees the master's environment of its own launch. ``spawn`` starts them
+    as children of the master."""
+    from multiprocessing import forkserver
+
+    from helpers import env_scale
+
+    async def serve(scale, **config):
+        monkeypatch.setenv("COMPUTRON_TEST_SCALE", scale)
+        async with LaunchEngine(EngineConfig(**config), [ModelConfig("s", env_scale)], 1, 1) as engine:
+            return await engine.submit("s", torch.ones(1, 4)), psutil.Process(engine.workers[0].pid).ppid()
+    (two, parent_a), (three, parent_b) = asyncio.run(serve("2")), asyncio.run(serve("3"))
+    assert parent_a == parent_b == forkserver._forkserver._forkserver_pid != os.getpid()
+    assert torch.equal(two, torch.full((1, 4), 2.0)) and torch.equal(three, torch.full((1, 4), 3.0))
+    five, parent = asyncio.run(serve("5", start_method="spawn"))
+    assert parent == os.getpid() and torch.equal(five, torch.full((1, 4), 5.0))
+
+
 def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="start_method"):
+        EngineConfig(start_method="fork")
     with pytest.raises(ValueError, match="max_loaded"):
         EngineConfig(max_loaded=0)
     with pytest.raises(ValueError, match="queue_size"):
