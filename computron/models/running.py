@@ -4,7 +4,9 @@ The batch is left-padded: row ``i`` holds sequence ``sids[i]``, its attention
 mask row is 0 over the padding, and every layer's KV cache has one row per
 sequence (``[batch, heads, length, head_dim]``). Sequences join in the same
 forward that decodes the running ones (``step_inputs``, then ``joined``, which
-compacts the padding that leaves) and leave by row selection, after which
+compacts the padding that leaves), or in a prefill forward of their own after
+the decode (``decode_inputs``, ``prefill_inputs``, ``merge_prefilled``), and
+leave by row selection, after which
 columns that are padding in every row are cut off. Every rank applies the same
 operations in the same order, so their batches stay identical in shape; only the
 output rank holds the per-sequence random generators.
@@ -112,7 +114,8 @@ class RunningBatch:
         row's newest token sits in the last of them, left of it are masked padding columns; a new row's
         cache is ``L`` masked zero columns, so every row of every layer has the same length. A step
         thus costs one forward, not a prefill forward plus a decode forward (on few small tensors
-        the fixed cost of a forward, collectives included, dominates). ``compact`` removes the
+        the fixed cost of a forward, collectives included, dominates; where the padding would cost
+        more, ``messages.Step.prefill_apart`` asks for the two). ``compact`` removes the
         padding columns this leaves between a running row's history and its newest token.
         """
         n_run, n_new = len(self), len(prompts)
