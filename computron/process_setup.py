@@ -131,8 +131,7 @@ def worker_context(config: EngineConfig):
     """
     method = config.start_method
     if method == "auto":
-        cuda = config.device == "cuda" or (config.device is None and torch.cuda.is_available())
-        method = "spawn" if cuda else "forkserver"
+        method = "spawn" if config.resolved_device() == "cuda" else "forkserver"
     if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -18,6 +18,17 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 
+def _left_padded(prompts: List[List[int]], width: int, pad_id: int, device: torch.device):
+    """``(input_ids [N, width], attention_mask [N, width])`` of ``prompts``, each right-aligned."""
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64, device=device)
+    for i, prompt in enumerate(prompts):
+        if prompt:
+            ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64, device=device)
+            mask[i, width - len(prompt):] = 1
+    return ids, mask
+
+
 def _layers(cache):
     return list(getattr(cache, "layers", ()))
 
@@ -120,14 +131,10 @@ class RunningBatch:
         """
         n_run, n_new = len(self), len(prompts)
         width = max((len(p) for p in prompts), default=1)
-        ids = torch.full((n_run + n_new, width), pad_id, dtype=torch.int64, device=device)
-        new_mask = torch.zeros((n_run + n_new, width), dtype=torch.int64, device=device)
+        ids, new_mask = _left_padded([[]] * n_run + list(prompts), width, pad_id, device)
         if n_run:
             ids[:n_run, -1] = self.last
             new_mask[:n_run, -1] = 1
-        for i, prompt in enumerate(prompts):
-            ids[n_run + i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64, device=device)
-            new_mask[n_run + i, width - len(prompt):] = 1
         if not n_run:
             from transformers import DynamicCache
             self.cache = DynamicCache()
@@ -151,12 +158,7 @@ class RunningBatch:
         """``(input_ids [N, W], attention_mask [N, W], W, cache)``: the prompts left-padded, a fresh cache."""
         from transformers import DynamicCache
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64, device=device)
-        mask = torch.zeros((len(prompts), width), dtype=torch.int64, device=device)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64, device=device)
-            mask[i, width - len(prompt):] = 1
-        return ids, mask, width, DynamicCache()
+        return (*_left_padded(prompts, width, pad_id, device), width, DynamicCache())
 
     def merge_prefilled(self, run_mask: torch.Tensor, new_mask: torch.Tensor, new_cache) -> torch.Tensor:
         """Append the separately prefilled rows (their mask and cache) after the running ones, both
