@@ -63,11 +63,11 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench", "lora"))
-    p.add_argument("--quick", action="store_true", help="opt-tiny, 4 adapters of rank 8, a 5 s trace")
+    p.add_argument("--quick", action="store_true", help="opt-tiny, 4 adapters of rank 8, traces of 1-3 s")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.adapters, args.rank, args.tokens, args.repeats = "opt-tiny", 4, 8, 8, 1
-        args.rates, args.duration, args.trace_tokens, args.start_rate, args.min_requests = "1,2,4,8", 3.0, 4, 1, 3
+        args.rates, args.duration, args.trace_tokens, args.start_rate, args.min_requests = "1,2,4,8", 1.0, 4, 2, 3
     return args
 
 

@@ -38,6 +38,37 @@ def script_json(path: str, *args: str, timeout: float) -> dict:
     return json.loads(lines[0])
 
 
+def run_main(path: str, *args: str, json_line: bool = True) -> tuple:
+    """Run a script's ``main(argv)`` in this process, as its command line would: ``(its stdout, its stderr)``,
+    the stdout parsed where it must be one line of JSON (``json_line``). A benchmark's CPU path costs a second interpreter importing torch, and a
+    second fork server importing transformers' models, about 14 CPU seconds a script on a 2-core machine;
+    here its engines fork from this process's warm fork server. Its module sees ``__name__`` other than
+    ``"__main__"``, so only its ``main`` runs; the ``sys.path`` it extends is restored."""
+    import contextlib
+    import importlib.util
+    import io
+    import json
+    import sys
+    name = "_script_" + os.path.splitext(os.path.basename(path))[0]
+    saved_path, out, err = list(sys.path), io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.main(list(args))
+    except BaseException:
+        sys.stderr.write(err.getvalue()[-4000:])
+        raise
+    finally:
+        sys.path[:] = saved_path
+    if not json_line:
+        return out.getvalue(), err.getvalue()
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 1, out.getvalue()[-2000:]
+    return json.loads(lines[0]), err.getvalue()
+
+
 def env_scale():
     """Multiplies its 4 inputs by ``COMPUTRON_TEST_SCALE`` as the worker building it sees that variable."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))

@@ -3,14 +3,14 @@ import os
 
 import pytest
 
-from helpers import script_json
+from helpers import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(240)
 def test_admission_benchmark_quick_path():
-    doc = script_json(os.path.join(ROOT, "benchmarks", "admission.py"), "--quick", timeout=220)
+    doc, _ = run_main(os.path.join(ROOT, "benchmarks", "admission.py"), "--quick")
     assert doc["benchmark"] == "admission" and doc["same_tokens"] is True
     assert set(doc["ways"]) == {"one", "apart", "auto"}
     for way, row in doc["ways"].items():

@@ -14,6 +14,7 @@ EXP = os.path.join(ROOT, "experiments")
 sys.path.insert(0, EXP)
 
 import workload  # noqa: E402
+from helpers import run_main  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -61,15 +62,14 @@ def _experiments_status() -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_short_sim_answers_every_request(tmp_path):
+def test_short_sim_answers_every_request(tmp_path, monkeypatch):
     """The smoke run, from another directory and without --out: the JSON goes to results/sim/ there, and
     nothing under experiments/ changes."""
     before = _experiments_status()
-    cmd = [sys.executable, os.path.join(EXP, "sim.py"), "-c", "18", "-d", "2", "--model", "opt-tiny",
-           "--modes", "ours,paper", "--seed", "3", "--max-tokens", "2", "--progress-every", "2"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "answered" in proc.stderr  # progress lines
+    monkeypatch.chdir(tmp_path)
+    _, err = run_main(os.path.join(EXP, "sim.py"), "-c", "18", "-d", "2", "--model", "opt-tiny", "--modes",
+                      "ours,paper", "--seed", "3", "--max-tokens", "2", "--progress-every", "2", json_line=False)
+    assert "answered" in err  # progress lines
     assert _experiments_status() == before
     out = tmp_path / "results" / "sim" / "sim_c18_opt-tiny.json"
     doc = json.loads(out.read_text())
@@ -244,13 +244,12 @@ def test_llm_sim_and_generation_benchmark_cpu_paths(tmp_path):
     """The CPU-sized path of experiments/llm_sim.py (the GPU check's last step) and of
     benchmarks/generation.py: every mode answers every request, and the JSON carries the fields."""
     out = tmp_path / "llm.json"
-    cmd = [sys.executable, os.path.join(EXP, "llm_sim.py"), "--model", "opt-tiny", "--configs", "18",
+    cmd = [os.path.join(EXP, "llm_sim.py"), "--model", "opt-tiny", "--configs", "18",
            "--duration", "1.5", "--rate-scale", "1", "--mean-tokens", "6", "--max-tokens-cap", "12",
            "--modes", "request,quantum,peer", "--bisect", "18", "--bisect-steps", "1", "--bisect-duration", "1.5",
            "--bisect-hi", "4", "--ttft-slo", "60",
            "--out", str(out), "--plot-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    line, _ = run_main(*cmd)
     doc = json.loads(out.read_text())
     assert {r["mode"] for r in doc["runs"]} == {"request", "quantum", "peer"}
     n = {r["requests"] for r in doc["runs"]}
@@ -260,13 +259,10 @@ def test_llm_sim_and_generation_benchmark_cpu_paths(tmp_path):
     assert doc["sustainable_rate_ratio"] > 0 and doc["best_token_mode"] == "quantum"
     assert "c18_ml1" in doc["ttft_p99_ratio"]
     assert (tmp_path / "llm_sim_ttft_cdf.png").stat().st_size > 0
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["experiment"] == "llm_sim"
+    assert line["experiment"] == "llm_sim"
 
-    gen = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "generation.py"), "--model", "opt-tiny",
-                          "--models", "2", "--duration", "1.5", "--rate", "2", "--mean-tokens", "6"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert gen.returncode == 0, gen.stderr[-4000:]
-    line = json.loads(gen.stdout.strip().splitlines()[-1])
+    line, _ = run_main(os.path.join(ROOT, "benchmarks", "generation.py"), "--model", "opt-tiny", "--models", "2",
+                       "--duration", "1.5", "--rate", "2", "--mean-tokens", "6")
     assert line["token"]["requests"] == line["request"]["requests"] > 0
     for key in ("ttft_p99_ratio", "tokens_per_s_ratio", "master_ms_per_step"):
         assert line[key] is not None and line[key] > 0
@@ -369,19 +365,14 @@ def test_llm_sim_refuses_an_empty_trace(monkeypatch, capsys):
         assert "drew 0 requests" in err and knob in err, err
 
 
+@pytest.mark.timeout(300)
 def test_burst_and_preparation_benchmarks_cpu_paths(tmp_path):
     """benchmarks/burst.py and benchmarks/preparation.py at tiny sizes: both modes answer the whole burst, and
     the preparation run measures steps and heartbeats during its burst."""
-    burst = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "burst.py"), "--requests", "8",
-                            "--models", "2", "--tp", "1"], cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert burst.returncode == 0, burst.stderr[-4000:]
-    line = json.loads(burst.stdout.strip().splitlines()[-1])
+    line, _ = run_main(os.path.join(ROOT, "benchmarks", "burst.py"), "--requests", "8", "--models", "2", "--tp", "1")
     assert line["token"]["requests"] == line["request"]["requests"] == 8
     assert line["token"]["errors"] == line["request"]["errors"] == 0
     assert line["requests_per_s_ratio"] > 0 and line["token"]["swaps"] > 0
-    prep = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "preparation.py"), "--burst", "8",
-                           "--chars", "300", "--lm-tokens", "400", "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=280)
-    assert prep.returncode == 0, prep.stderr[-4000:]
-    line = json.loads(prep.stdout.strip().splitlines()[-1])
+    line, _ = run_main(os.path.join(ROOT, "benchmarks", "preparation.py"), "--burst", "8", "--chars", "300",
+                       "--lm-tokens", "400", "--workdir", str(tmp_path))
     assert line["quiet_step_gap_ms_p50"] is not None and line["master_ms_per_step"] > 0

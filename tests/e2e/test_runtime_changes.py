@@ -1,21 +1,18 @@
 """Model changes while serving, end to end: benchmarks/model_changes.py at tiny sizes (the path its full run
 takes, so it cannot break unseen) and examples/runtime/models_and_adapters.py as the README runs it."""
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+from helpers import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(300)
 def test_model_changes_benchmark_quick_path(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "model_changes.py"), "--quick",
-                          "--dir", str(tmp_path)], capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, run.stderr[-4000:]
-    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    doc, _ = run_main(os.path.join(ROOT, "benchmarks", "model_changes.py"), "--quick", "--dir", str(tmp_path))
     assert doc["benchmark"] == "model_changes" and len(doc["adds"]) == 1
     assert doc["steps_during_adds"] > 0 and doc["median_step_ms"] > 0
     assert doc["gap_ratio"] == pytest.approx(doc["max_gap_during_add_ms"] / doc["median_step_ms"])
@@ -37,10 +34,7 @@ def test_runtime_example_runs(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_lora_benchmark_quick_path(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "lora.py"), "--quick", "--dir",
-                          str(tmp_path)], capture_output=True, text=True, timeout=580)
-    assert run.returncode == 0, run.stderr[-4000:]
-    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    doc, _ = run_main(os.path.join(ROOT, "benchmarks", "lora.py"), "--quick", "--dir", str(tmp_path))
     assert doc["benchmark"] == "lora"
     for key in ("mixed_batch_tokens_per_s_ratio", "adapter_load_vs_base_load"):
         assert doc[key] > 0, key
