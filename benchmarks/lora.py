@@ -22,6 +22,13 @@ the same adapters merged into full checkpoints (``merge_and_unload``). Measured 
   is the highest whose p90 latency stays within ``--slo-factor`` times one lone request's latency on the
   adapter engine (the same bound for both) while the next rate up does not. Per rate: mean and p90
   latency, loads so far; ``merged_engine.load_s_median``: what one swap of a merged checkpoint took.
+- ``capacity_ratio``: what the two engines' own step times allow for that ratio, whatever the scheduling
+  (``capacity_ratio`` in the code says how): a merged checkpoint serving one request per swap, unbatched,
+  against the adapters with every decode step a full batch of one sequence per adapter. Its parts are in
+  each engine's row: ``prefill_step_s`` (a lone request's admission step), ``decode_step_1_s`` (its decode
+  steps), ``decode_step_batch_s`` (a decode step of the mixed batch of ``batch`` sequences). On a GPU a
+  decode step of 8 costs about what one of 1 does and a swap many steps; on a CPU a step of 8 costs ~3x
+  one and the swap of an opt-125m about two steps, which puts this ratio, and so the rate ratio, below 3.
 
     .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (about ten minutes)
     .venv/bin/python benchmarks/lora.py --quick         # opt-tiny, short trace (the tests' path)
@@ -153,6 +160,38 @@ async def batch_tokens_per_s(engine, ids, prompt, n) -> float:
     return sum(len(o) for o in outs) / (time.perf_counter() - t0)
 
 
+def steps_of(engine, since: int) -> list:
+    """The step records made since the engine had ``since`` of them."""
+    return engine.metrics("step")[since:]
+
+
+def median_step_s(steps, running: int, admitted: int):
+    """Median seconds of the steps that gave ``running`` sequences a token, ``admitted`` of them new."""
+    xs = [r.end - r.start for r in steps if r.running == running and r.admitted == admitted and not r.error]
+    return float(np.median(xs)) if xs else None
+
+
+async def lone_request_steps(engine, model_id, prompt, n) -> tuple:
+    """(seconds, the prefill step's median seconds, a decode step's) of one request alone on the engine."""
+    since, t0 = len(engine.metrics("step")), time.perf_counter()
+    await engine.submit(model_id, {"input_ids": prompt, "max_tokens": n})
+    seconds, steps = time.perf_counter() - t0, steps_of(engine, since)
+    return seconds, median_step_s(steps, 1, 1), median_step_s(steps, 1, 0)
+
+
+def capacity_ratio(a: dict, m: dict, n: int):
+    """Requests per second the adapters could serve at best over what the merged checkpoints could, from
+    each engine's own step times (None where one is missing): the merged engine serving one request per
+    swap, unbatched (a prefill, n - 1 decode steps of one sequence, a swap), the adapter engine with every
+    decode step a full batch, one sequence per adapter (a prefill, n - 1 shares of a step of that batch)."""
+    parts = (m["prefill_step_s"], m["decode_step_1_s"], m["load_s_median"], a["prefill_step_s"],
+             a["decode_step_batch_s"])
+    if any(x is None for x in parts):
+        return None
+    p_m, c1, swap, p_a, c_batch = parts
+    return (p_m + (n - 1) * c1 + swap) / (p_a + (n - 1) * c_batch / a["batch"])
+
+
 def lora_fills(stats) -> tuple:
     """(seconds of the slowest rank, adapter fills) of device-slot fills so far."""
     return max(s.lora_fill_s for s in stats.values()), min(s.lora_fills for s in stats.values())
@@ -172,9 +211,11 @@ async def adapters_run(args, base, adapters, prompt) -> dict:
         await engine.submit("base", {"input_ids": prompt, "max_tokens": 2})  # loads the base
         base_load = max(r.end - r.start for r in engine.metrics("load") if r.model_id == "base")
         fill0, n0 = lora_fills(await engine.stats_async())
-        mixed, bare = [], []
+        mixed, bare, mixed_steps = [], [], []
         for k in range(args.repeats):
+            since = len(engine.metrics("step"))
             mixed.append(await batch_tokens_per_s(engine, ids, prompt, args.tokens))
+            mixed_steps += steps_of(engine, since)
             if k == 0:
                 fill1, n1 = lora_fills(await engine.stats_async())
             bare.append(await batch_tokens_per_s(engine, ["base"] * len(ids), prompt, args.tokens))
@@ -182,14 +223,15 @@ async def adapters_run(args, base, adapters, prompt) -> dict:
         t0 = time.perf_counter()
         await engine.add_model(ModelConfig("late", base="base", adapter=adapters[-1]))
         out["adapter_add_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        await engine.submit(ids[0], {"input_ids": prompt, "max_tokens": args.trace_tokens})
-        bound = args.slo_factor * (time.perf_counter() - t0)
+        lone_s, prefill_s, decode_s = await lone_request_steps(engine, ids[0], prompt, args.trace_tokens)
+        bound = args.slo_factor * lone_s
         loads0 = len(engine.metrics("load"))
         rate, rows = await sustainable(engine, args, ids, prompt, bound)
         out.update({"mixed_tokens_per_s": float(np.median(mixed)), "bare_tokens_per_s": float(np.median(bare)),
                     "adapter_fill_s": fill_s, "adapter_fills": n1 - n0, "base_load_s": base_load,
                     "latency_bound_s": bound, "sustainable_rate": rate, "rates": rows,
+                    "prefill_step_s": prefill_s, "decode_step_1_s": decode_s,
+                    "batch": len(ids), "decode_step_batch_s": median_step_s(mixed_steps, len(ids), 0),
                     "trace_loads": len(engine.metrics("load")) - loads0})
     return out
 
@@ -200,10 +242,13 @@ async def merged_run(args, merged, prompt, bound_s: float) -> dict:
     log(f"[merged] {len(configs)} merged {args.model} checkpoints, TP={args.tp}, max_loaded=1")
     engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1), configs, args.tp)
     async with engine:
+        await engine.submit(configs[0].model_id, {"input_ids": prompt, "max_tokens": 1})  # its load
+        _, prefill_s, decode_s = await lone_request_steps(engine, configs[0].model_id, prompt, args.trace_tokens)
         rate, rows = await sustainable(engine, args, [mc.model_id for mc in configs], prompt, bound_s)
         loads = [r.end - r.start for r in engine.metrics("load")]
         return {"sustainable_rate": rate, "rates": rows, "trace_loads": len(loads),
-                "load_s_median": float(np.median(loads)) if loads else None}
+                "load_s_median": float(np.median(loads)) if loads else None,
+                "prefill_step_s": prefill_s, "decode_step_1_s": decode_s}
 
 
 def main(argv=None):
@@ -215,8 +260,8 @@ def main(argv=None):
     m = asyncio.run(merged_run(args, merged, prompt, a["latency_bound_s"]))
     log(f"[merged] {json.dumps(m)}")
     doc = {"benchmark": "lora", "model": args.model, "adapters": args.adapters, "rank": args.rank,
-           "targets_modules": list(ATTENTION), "tp": args.tp, "rates_grid": args.rates, "start_rate": args.start_rate, "min_requests": args.min_requests,
-           "duration_s": args.duration,
+           "targets_modules": list(ATTENTION), "tp": args.tp, "rates_grid": args.rates, "start_rate": args.start_rate,
+           "min_requests": args.min_requests, "duration_s": args.duration, "trace_tokens": args.trace_tokens,
            "mixed_batch_tokens_per_s_ratio": a["mixed_tokens_per_s"] / a["bare_tokens_per_s"],
            "adapter_load_vs_base_load": a["adapter_fill_s"] / a["base_load_s"],
            # the merged engine sustaining none of the rates: the ratio is above ours / the lowest rate tried
@@ -225,6 +270,7 @@ def main(argv=None):
            "rate_ratio_measure": "sustainable rate (adapters / merged): the highest rate tried whose p90 latency "
                                  "stays within slo_factor x a lone request's latency, same traces",
            "slo_factor": args.slo_factor,
+           "capacity_ratio": capacity_ratio(a, m, args.trace_tokens),
            "adapters_engine": a, "merged_engine": m,
            "targets": {"mixed_batch_tokens_per_s_ratio": ">= 0.6", "adapter_load_vs_base_load": "<= 0.05",
                        "rate_ratio_vs_merged": ">= 3"},

@@ -1,4 +1,5 @@
-"""Model builders and references shared by the tests (module-level, so workers can unpickle them)."""
+"""Model builders and references shared by the tests (module-level, so workers can unpickle them), and
+``run_main`` for the scripts' CPU paths."""
 import os
 
 import torch
@@ -26,31 +27,22 @@ def mlp(seed: int):
     return zoo.mlp(MLP_SIZES, seed=seed)
 
 
-def script_json(path: str, *args: str, timeout: float) -> dict:
-    """Run a benchmark or experiment script; it must succeed and print exactly one line, of JSON."""
-    import json
-    import subprocess
-    import sys
-    run = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = run.stdout.strip().splitlines()
-    assert len(lines) == 1, run.stdout[-2000:]
-    return json.loads(lines[0])
-
-
 def run_main(path: str, *args: str, json_line: bool = True) -> tuple:
-    """Run a script's ``main(argv)`` in this process, as its command line would: ``(its stdout, its stderr)``,
-    the stdout parsed where it must be one line of JSON (``json_line``). A benchmark's CPU path costs a second interpreter importing torch, and a
-    second fork server importing transformers' models, about 14 CPU seconds a script on a 2-core machine;
-    here its engines fork from this process's warm fork server. Its module sees ``__name__`` other than
-    ``"__main__"``, so only its ``main`` runs; the ``sys.path`` it extends is restored."""
+    """Run a script's ``main(argv)`` in this process, as its command line would, and return ``(stdout,
+    stderr)``; with ``json_line`` the stdout must be one line of JSON, returned parsed.
+
+    Why in this process: as a command, a benchmark's CPU path pays a second interpreter importing torch and
+    a second fork server importing transformers' models, about 14 CPU seconds a script on 2 cores; here its
+    engines fork from this process's warm fork server. The module is loaded under another name than
+    ``"__main__"``, so only ``main`` runs; the ``sys.path`` it extends and the torch thread count it sets
+    are restored after it."""
     import contextlib
     import importlib.util
     import io
     import json
     import sys
     name = "_script_" + os.path.splitext(os.path.basename(path))[0]
-    saved_path, out, err = list(sys.path), io.StringIO(), io.StringIO()
+    saved_path, threads, out, err = list(sys.path), torch.get_num_threads(), io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             spec = importlib.util.spec_from_file_location(name, path)
@@ -62,6 +54,7 @@ def run_main(path: str, *args: str, json_line: bool = True) -> tuple:
         raise
     finally:
         sys.path[:] = saved_path
+        torch.set_num_threads(threads)  # a benchmark may size the master's thread pool for itself
     if not json_line:
         return out.getvalue(), err.getvalue()
     lines = out.getvalue().strip().splitlines()

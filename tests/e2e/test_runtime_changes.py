@@ -36,10 +36,11 @@ def test_runtime_example_runs(tmp_path):
 def test_lora_benchmark_quick_path(tmp_path):
     doc, _ = run_main(os.path.join(ROOT, "benchmarks", "lora.py"), "--quick", "--dir", str(tmp_path))
     assert doc["benchmark"] == "lora"
-    for key in ("mixed_batch_tokens_per_s_ratio", "adapter_load_vs_base_load"):
+    for key in ("mixed_batch_tokens_per_s_ratio", "adapter_load_vs_base_load", "capacity_ratio"):
         assert doc[key] > 0, key
     a, m = doc["adapters_engine"], doc["merged_engine"]
     assert a["adapter_fills"] == doc["adapters"] and a["trace_loads"] == 0  # the base stays: no load at all
     assert m["trace_loads"] > 1 and a["rates"] and m["rates"]
+    assert a["batch"] == doc["adapters"] and a["decode_step_batch_s"] > 0 and m["decode_step_1_s"] > 0
     if m["sustainable_rate"]:
         assert doc["rate_ratio_vs_merged"] == a["sustainable_rate"] / m["sustainable_rate"]
