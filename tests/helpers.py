@@ -34,15 +34,15 @@ def run_main(path: str, *args: str, json_line: bool = True) -> tuple:
     Why in this process: as a command, a benchmark's CPU path pays a second interpreter importing torch and
     a second fork server importing transformers' models, about 14 CPU seconds a script on 2 cores; here its
     engines fork from this process's warm fork server. The module is loaded under another name than
-    ``"__main__"``, so only ``main`` runs; the ``sys.path`` it extends and the torch thread count it sets
-    are restored after it."""
+    ``"__main__"``, so only ``main`` runs (a script that prints from its ``__main__`` block stays a command);
+    the ``sys.path`` it extends is restored after it."""
     import contextlib
     import importlib.util
     import io
     import json
     import sys
     name = "_script_" + os.path.splitext(os.path.basename(path))[0]
-    saved_path, threads, out, err = list(sys.path), torch.get_num_threads(), io.StringIO(), io.StringIO()
+    saved_path, out, err = list(sys.path), io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             spec = importlib.util.spec_from_file_location(name, path)
@@ -54,7 +54,6 @@ def run_main(path: str, *args: str, json_line: bool = True) -> tuple:
         raise
     finally:
         sys.path[:] = saved_path
-        torch.set_num_threads(threads)  # a benchmark may size the master's thread pool for itself
     if not json_line:
         return out.getvalue(), err.getvalue()
     lines = out.getvalue().strip().splitlines()

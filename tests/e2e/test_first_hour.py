@@ -14,7 +14,6 @@ import torch
 
 from computron import EngineConfig, LaunchEngine, LaunchError, ModelConfig, zoo
 from computron.preflight import PreflightError
-from helpers import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -193,8 +192,10 @@ def test_checkpoint_dtype_is_honoured(tmp_path):
 @pytest.mark.timeout(200)
 def test_swap_benchmark_with_an_opt_model():
     """benchmarks/swap.py --model NAME: the path benchmarks/gpu_check.sh takes on a GPU."""
-    out, _ = run_main(os.path.join(ROOT, "benchmarks", "swap.py"), "--model", "opt-tiny", "--repeats", "1",
-                      "--modes", "fast")
+    proc = subprocess.run([sys.executable, "benchmarks/swap.py", "--model", "opt-tiny", "--repeats", "1",
+                           "--modes", "fast"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["model"] == "opt-tiny" and out["load_s"] > 0 and out["ttfo_s"] > 0, out
 
 
