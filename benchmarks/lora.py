@@ -22,13 +22,14 @@ the same adapters merged into full checkpoints (``merge_and_unload``). Measured 
   is the highest whose p90 latency stays within ``--slo-factor`` times one lone request's latency on the
   adapter engine (the same bound for both) while the next rate up does not. Per rate: mean and p90
   latency, loads so far; ``merged_engine.load_s_median``: what one swap of a merged checkpoint took.
-- ``capacity_ratio``: what the two engines' own step times allow for that ratio, whatever the scheduling
-  (``capacity_ratio`` in the code says how): a merged checkpoint serving one request per swap, unbatched,
-  against the adapters with every decode step a full batch of one sequence per adapter. Its parts are in
-  each engine's row: ``prefill_step_s`` (a lone request's admission step), ``decode_step_1_s`` (its decode
-  steps), ``decode_step_batch_s`` (a decode step of the mixed batch of ``batch`` sequences). On a GPU a
-  decode step of 8 costs about what one of 1 does and a swap many steps; on a CPU a step of 8 costs ~3x
-  one and the swap of an opt-125m about two steps, which puts this ratio, and so the rate ratio, below 3.
+- ``capacity_ratio``: what the two engines' own step times allow for that ratio, whatever the scheduling:
+  a merged checkpoint serving one request per swap, unbatched, against the adapters with every decode step
+  a full batch of one sequence per adapter. Its parts are in each engine's row: ``prefill_step_s`` (a lone
+  request's admission step), ``decode_step_1_s`` (its decode steps), ``decode_step_batch_s`` (a decode step
+  of the mixed batch of ``batch`` sequences). On a GPU a decode step of 8 costs about what one of 1 does
+  and a swap many steps; on this CPU a step of 8 costs 2.5-3x one and the swap of an opt-125m about two
+  steps, which puts this ratio near 3, and the rate ratio, whose latency bound keeps batches smaller than
+  full, below it.
 
     .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (about ten minutes)
     .venv/bin/python benchmarks/lora.py --quick         # opt-tiny, short trace (the tests' path)
