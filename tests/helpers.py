@@ -46,7 +46,7 @@ def run_main(path: str, *args: str, json_line: bool = True) -> tuple:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             spec = importlib.util.spec_from_file_location(name, path)
-            module = sys.modules[name] = importlib.util.module_from_spec(spec)
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
             spec.loader.exec_module(module)
             module.main(list(args))
     except BaseException:
