@@ -6,7 +6,7 @@ setup(
     description="Serve many deep-learning models on shared GPUs by model-parallel swapping",
     packages=find_packages(include=["computron", "computron.*"]),
     package_data={"computron.server": ["static/*.html"]},
-    entry_points={"console_scripts": ["computron = computron.server.cli:main"]},
+    entry_points={"console_scripts": ["computron = computron.server.cli:console"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5,<6", "numpy", "safetensors", "tokenizers", "pyyaml",
                       "fastapi", "uvicorn", "prometheus_client", "pillow", "peft"],

@@ -1,4 +1,4 @@
-"""What multiprocessing's fork server imports before it forks any worker (``process_setup.worker_context``).
+"""What multiprocessing's fork server imports before it forks any worker (``worker_start.worker_context``).
 
 Importing this module imports ``WORKER_IMPORTS``, about three quarters of a worker's start-up on a CPU, so
 that every worker forked from the server starts with them done. Inside the fork server it also makes the
@@ -12,7 +12,7 @@ import atexit
 import importlib
 import os
 
-from .process_setup import in_fork_server
+from .worker_start import in_fork_server
 
 WORKER_IMPORTS = ("computron.launch", "computron.loading", "computron.models.causal_lm", "torch.distributed.tensor",
                   "transformers.models.opt.modeling_opt", "transformers.models.llama.modeling_llama")

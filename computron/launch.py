@@ -1,7 +1,7 @@
 """Starting the engine: spawn mode (we start the workers) and attach mode (torchrun started us).
 
 Spawn mode: the calling process becomes the master, one extra rank after the ``tp * pp`` workers, which
-it starts from multiprocessing's fork server (``process_setup.worker_context``). Each worker reports
+it starts from multiprocessing's fork server (``worker_start.worker_context``). Each worker reports
 ready or its start-up traceback over a pipe; the master waits on those pipes and on the processes'
 sentinels together, so a worker that dies during start-up fails the launch at once. Workers die with
 the master (a watcher thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
@@ -37,13 +37,13 @@ from .budget import check_memory
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
 from .errors import LaunchError
-from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, in_fork_server,
-                            setup_logging, threads_per_worker, worker_context)
+from .process_setup import adopt_environment, device_for, die_with_parent, free_port, setup_logging, threads_per_worker
 from .reply_router import ReplyRouter
 from .slice_reads import prefetch_startup
 from .topology import Groups, Layout
 from .transport import WorkerChannel
 from .worker import Worker
+from .worker_start import in_fork_server, worker_context
 
 log = logging.getLogger("computron.launch")
 

@@ -1,5 +1,6 @@
-"""Per-process set-up of the engine's processes (the master and each worker): how workers are started,
-logging, the torch threads a worker gets, its device, dying with the parent, and a free rendezvous port."""
+"""Per-process set-up of the engine's processes (the master and each worker): logging, the torch threads a
+worker gets, its device, dying with the parent, and a free rendezvous port (how workers are started:
+``worker_start``)."""
 from __future__ import annotations
 
 import ctypes
@@ -109,38 +110,8 @@ def quiet_third_party(worker: bool) -> None:
         hf_logging.disable_progress_bar()
 
 
-def in_fork_server() -> bool:
-    """Whether this code runs inside multiprocessing's fork server (during its start-up imports)."""
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def worker_context(config: EngineConfig):
-    """The multiprocessing context spawn mode starts its workers from (``EngineConfig.start_method``).
-
-    The fork server is one single-threaded process per master, started at the first launch and ending with
-    the master; each worker is a fork of it, so it starts with ``computron.fork_server``'s imports done,
-    without forking the master's threads (asyncio, HTTP, Ray). It keeps the environment of its own start:
-    ``adopt_environment`` gives each worker the master's environment of the moment. ``auto`` keeps spawn
-    for CUDA workers: a server whose imports touched the CUDA driver would fork children that cannot use
-    it, and no GPU has run the fork server yet.
-    """
-    method = config.start_method
-    if method == "auto":
-        method = "spawn" if config.resolved_device() == "cuda" else "forkserver"
-    if method != "forkserver" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["computron.fork_server"])  # no effect once the server runs
-    return ctx
-
-
 def adopt_environment(env: dict) -> None:
-    """In a worker: the master's environment as it was at the launch (see ``worker_context``)."""
+    """In a worker: the master's environment as it was at the launch (see ``worker_start.worker_context``)."""
     if env != os.environ:
         os.environ.clear()
         os.environ.update(env)

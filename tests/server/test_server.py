@@ -500,6 +500,7 @@ def test_bad_config_fails_before_any_worker_starts(ckpts, tmp_path, capsys):
         (["serve"], "no models"),
         (["serve", ckpts["m0"], "--tp", "3", "--port", "0"], "num_attention_heads=4, not divisible by "
                                                             "tp_world_size=3"),
+        (["serve", ckpts["m0"], "--groups", "2"], "--groups and --ray-address need --ray"),
     ]
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"models: [{{id: a, path: {ckpts['m0']}}}]\nengine: {{max_loded: 2}}\n")
@@ -517,6 +518,24 @@ def test_bad_config_fails_before_any_worker_starts(ckpts, tmp_path, capsys):
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, (argv, err)
         assert not {p.pid for p in me.children(recursive=True)} - before, "a worker started for a bad config"
+
+
+def test_an_error_found_after_the_fork_server_started_leaves_no_process(ckpts, tmp_path):
+    """`computron serve` starts the workers' fork server before it reads tokenizers and checkpoint configs
+    (its imports run meanwhile); a shape error found there ends the command with exit code 2 and takes
+    the server with it, though it is still importing torch (else it would outlive the command by
+    seconds, holding the command's stdout and stderr open)."""
+    t0 = time.time()
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "computron", "serve", ckpts["m0"], "--tp", "3", "--port", "0"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        assert proc.wait(120) == 2
+    ours = {c.pid for c in psutil.Process().children(recursive=True)}  # the suite's own fork server
+    left = [p for p in psutil.process_iter(["cmdline", "create_time"]) if p.pid not in ours
+            and p.info["create_time"] >= t0 - 1 and "forkserver import main" in " ".join(p.info["cmdline"] or [])]
+    assert not left, [(p.pid, p.info["cmdline"]) for p in left]
+    stderr = (tmp_path / "stderr").read_text()
+    assert "not divisible by tp_world_size=3" in stderr and stderr.count("\n") == 1, stderr
 
 
 def test_port_in_use_fails_before_any_worker_starts(ckpts, tmp_path):
