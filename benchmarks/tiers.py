@@ -15,11 +15,11 @@ request and each paired read: every figure is cold (``--disk-rows`` adds warm on
 
 - ``startup_vs_floor``: median over ``--startup-reps`` pairs (the order alternates, an even count by default:
   whichever of the two starts second is faster on this machine, ``startup_vs_floor_by_order`` shows by how
-  much; and a throwaway process imports the libraries before each, so that their files are cached for both
-  alike) of spawn-to-ready
-  (``LaunchEngine``, every shard read into host memory) / the floor: ``floor_import_s`` (the bare
-  processes' spawn until all have imported) + ``floor_read_s`` (the same number of bare processes reading
-  every slice their rank reads at start-up, at once, into fresh memory). ``startup_cpu_vs_floor``: the
+  much; and every file the libraries' import reads is read before each, ``tiers_floor.warm_imports``, so
+  that they are cached for both alike) of spawn-to-ready (``LaunchEngine``, every shard read into host
+  memory) / the floor: ``floor_import_s`` (the bare processes' spawn until all have imported) +
+  ``floor_read_s`` (the same number of bare processes reading every slice their rank reads at start-up, at
+  once, into fresh memory). ``startup_cpu_vs_floor``: the
   same for the CPU seconds of the workers until ready and of the bare processes (``startup_cpu_s``,
   ``floor_cpu_s``). From the workers' logs, the slowest rank's ``worker_up_s`` (its process's start to its
   first line: the interpreter, computron and torch) and ``build_s`` (building and reading every model,
@@ -136,6 +136,7 @@ def workers_cpu_s(engine) -> float:
 
 def launch(args, configs, log_dir, files, **cfg):
     """``(engine, spawn-to-ready seconds)``, the page cache of ``files`` dropped first."""
+    floor.release_child()
     floor.drop_cache(files)
     shutil.rmtree(log_dir, ignore_errors=True)
     t0 = time.perf_counter()
@@ -150,7 +151,7 @@ def med(xs):
 
 def measure_startup(args, configs, spans, module, files, work, res) -> None:
     """``--startup-reps`` pairs of engine start-up and its floor, alternating which goes first, each after
-    a throwaway process imported the libraries (their files cached for both alike)."""
+    every file of the libraries' import was read (their files cached for both alike)."""
     n = args.tp * args.pp
     pairs, build, up, shard = [], [], [], 0
     for rep in range(args.startup_reps):
@@ -186,14 +187,6 @@ def measure_startup(args, configs, spans, module, files, work, res) -> None:
                 "shard_bytes": shard})
 
 
-def warm_cache(files) -> None:
-    buf = memoryview(bytearray(16 << 20))
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
-
-
 def serve_disk(args, configs, spans, module, files, work, budget, order, colds=None):
     """Serve ``order`` with ``host_budget=budget``, each disk-tier load paired with ``tp x pp`` bare
     processes reading the same model's bytes at once, right before it and right after it (the geometric
@@ -219,7 +212,7 @@ def serve_disk(args, configs, spans, module, files, work, budget, order, colds=N
                 i, cold = int(m[1:]), colds[k]
                 on_disk = any(m not in s.host_resident for s in engine.stats().values())
                 if on_disk and not cold:
-                    warm_cache(files_of([configs[i].model_kwargs["path"]]))
+                    floor.warm_cache(files_of([configs[i].model_kwargs["path"]]))
                 before, bare_gbps = set(loaded), []
                 for step in ("bare", "engine", "bare") if on_disk else ("engine",):
                     if cold:

@@ -2,7 +2,8 @@
 and the other child processes it runs.
 
 - ``write_checkpoints``: random-weight checkpoints, written once by a child process (the benchmark's own
-  process, which hosts the engine's master, never holds a model).
+  process, which hosts the engine's master, never holds a model; one child runs every such job until
+  ``release_child``, which the benchmarks call before they measure anything).
 
 - ``rank_spans``: which bytes of which checkpoint file each rank reads (``slice_reads.read_spans`` of
   the shard each rank builds), computed in a child process on a fake process group (no collective runs).
@@ -69,20 +70,66 @@ def write_checkpoints(name: str, directory: str, n: int, dtype: str, vocab: int,
     return paths
 
 
+class _Child:
+    """The spawned child that runs ``_in_child``'s jobs one after another, so that writing checkpoints, their
+    references and each rank's spans pay for one start and one import of torch and transformers."""
+
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_main, args=(theirs,), name="tiers-child", daemon=True)
+        self.proc.start()
+        theirs.close()
+
+    def run(self, target, args):
+        self.conn.send((target, args))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def _child_main(conn) -> None:
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        target, args = job
+        target(*args, conn)  # each target sends its result, or the exception it raised
+
+
+_child = None
+
+
 def _in_child(target, *args):
-    """``target(*args, conn)`` in a spawned child; returns what it sends (raises what it raises)."""
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, send), daemon=True)
-    proc.start()
-    send.close()
+    """``target(*args, conn)`` in the spawned child (started at the first call); returns what it sends
+    (raises what it raises)."""
+    global _child
+    if _child is None:
+        _child = _Child()
     try:
-        out = recv.recv()
-    finally:
-        proc.join()
+        out = _child.run(target, args)
+    except (EOFError, OSError):  # the child died: the next call starts a new one
+        release_child()
+        raise
     if isinstance(out, BaseException):
         raise out
     return out
+
+
+def release_child() -> None:
+    """End the child, before anything is measured: the models it built leave no memory behind."""
+    global _child
+    if _child is not None:
+        _child.close()
+        _child = None
 
 
 # ---- which bytes each rank reads ---------------------------------------------------------------
@@ -235,6 +282,7 @@ class BareProcesses:
     """``n`` bare processes (see the module docstring); ``started_s``: spawn until every one has imported."""
 
     def __init__(self, n: int, module_name: str):
+        release_child()
         ctx = mp.get_context("spawn")
         t0 = time.time()
         self.conns, self.procs = [], []
@@ -301,9 +349,46 @@ def startup_floor(spans: Dict[int, Dict[int, list]], module_name: str, n: int, f
             "bytes": got["bytes"], "cpu_s": bare.cpu_s}
 
 
+def _import_files_child(module_name: str, conn) -> None:
+    try:
+        import importlib.util
+        import sys
+        for name in ("torch", "transformers", module_name):  # what every worker imports
+            importlib.import_module(name)
+        files = set()
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if path:
+                files.add(path)
+                if path.endswith(".py"):
+                    files.add(importlib.util.cache_from_source(path))
+        with open("/proc/self/maps") as maps:  # the shared libraries, the interpreter's own included
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith("/"):
+                    files.add(fields[5])
+        conn.send(sorted(f for f in files if os.path.isfile(f)))
+    except BaseException as exc:  # noqa: BLE001 - the parent raises it
+        conn.send(exc)
+
+
+_import_files: Dict[str, List[str]] = {}
+
+
 def warm_imports(module_name: str) -> None:
-    """Import what a worker imports in a throwaway process: the libraries' own files come from the page
-    cache for whatever is measured next (else the first of a pair pays for reading them)."""
-    import subprocess
-    import sys
-    subprocess.run([sys.executable, "-c", f"import torch, transformers, {module_name}"], check=True)
+    """Read every file that importing what a worker imports reads (sources, compiled caches, shared
+    libraries; listed once by the child, which imports them), so that they come from the page cache for
+    whatever is measured next, else the first of a pair pays for reading them. Reading them costs a
+    fraction of a second where importing them in a throwaway process took ten on 2 cores."""
+    if module_name not in _import_files:
+        _import_files[module_name] = _in_child(_import_files_child, module_name)
+    warm_cache(_import_files[module_name])
+
+
+def warm_cache(files: Sequence[str]) -> None:
+    """Read ``files`` whole (into the page cache)."""
+    buf = memoryview(bytearray(16 << 20))
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
