@@ -43,7 +43,7 @@ from .slice_reads import prefetch_startup
 from .topology import Groups, Layout
 from .transport import WorkerChannel
 from .worker import Worker
-from .worker_start import in_fork_server, worker_context
+from .worker_start import in_fork_server, start_server, worker_context
 
 log = logging.getLogger("computron.launch")
 
@@ -168,11 +168,12 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         raise RuntimeError("torch.distributed is already initialized in this process; LaunchEngine's spawn "
                            "mode starts its own process group (shut the previous engine down first)")
     layout = Layout(tp=tp, pp=pp, master_rank=tp * pp, master_is_worker=False)
-    addr = config.master_host
-    port = config.master_port or free_port(addr)
+    addr, port = config.master_host, config.master_port or free_port(config.master_host)
     local_world = layout.n_workers // n_nodes
     first = node_rank * local_world
     ctx = worker_context(config)
+    start_server(ctx)  # a fork server's imports (or the spawned workers', below) run beside the disk reads:
+    prefetch_startup(configs, config.host_budget, layout.n_workers, config.paper_mode)
     lasts = ctx.get_start_method() == "forkserver" or threading.current_thread() is threading.main_thread()
     worker_configs = [mc.for_workers() for mc in configs]
     procs, status = [], []
@@ -186,7 +187,6 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         procs.append(p)
         status.append(recv_end)
     workers = _SpawnedWorkers(procs, first)
-    prefetch_startup(configs, config.host_budget, layout.n_workers, config.paper_mode)  # the disk reads while workers import
     if node_rank != 0:  # this node only hosts workers
         try:
             _await_ready(workers, status, None, config.start_timeout_s)

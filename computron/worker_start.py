@@ -46,6 +46,13 @@ def worker_context(config: EngineConfig, device: Optional[str] = None):
     return ctx
 
 
+def start_server(ctx) -> None:
+    """Start the fork server of ``ctx`` now where it has one and none runs: its imports begin at once while
+    the caller goes on (the first worker's start waits for them; without this call it would start them)."""
+    if ctx.get_start_method() == "forkserver":
+        forkserver.ensure_running()
+
+
 def _gpu_device_nodes() -> bool:
     """Whether this machine has a GPU device node (NVIDIA's, AMD's KFD, WSL's): without one torch finds no
     CUDA device, so ``device`` left to ``auto`` is the CPU, known without importing torch to ask."""
@@ -68,13 +75,12 @@ def start_fork_server(config: EngineConfig) -> Optional[Callable[[], None]]:
         if _gpu_device_nodes():
             return None
         device = "cpu"
-    if worker_context(config, device).get_start_method() != "forkserver":
-        return None
+    ctx = worker_context(config, device)
     server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
-    if getattr(server, "_forkserver_pid", None) is not None:
+    if ctx.get_start_method() != "forkserver" or getattr(server, "_forkserver_pid", None) is not None:
         return None
     tracker_ran = getattr(tracker, "_fd", None) is not None
-    forkserver.ensure_running()  # starts multiprocessing's resource tracker too, where none runs
+    start_server(ctx)  # starts multiprocessing's resource tracker too, where none runs
 
     def stop() -> None:
         pid = getattr(server, "_forkserver_pid", None)
