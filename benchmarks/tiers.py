@@ -19,11 +19,10 @@ request and each paired read: every figure is cold (``--disk-rows`` adds warm on
   that they are cached for both alike) of spawn-to-ready (``LaunchEngine``, every shard read into host
   memory) / the floor: ``floor_import_s`` (the bare processes' spawn until all have imported) +
   ``floor_read_s`` (the same number of bare processes reading every slice their rank reads at start-up, at
-  once, into fresh memory). ``startup_cpu_vs_floor``: the
-  same for the CPU seconds of the workers until ready and of the bare processes (``startup_cpu_s``,
-  ``floor_cpu_s``). From the workers' logs, the slowest rank's ``worker_up_s`` (its process's start to its
-  first line: the interpreter, computron and torch) and ``build_s`` (building and reading every model,
-  the import of transformers included).
+  once, into fresh memory). ``startup_cpu_vs_floor``: the same for the CPU seconds of the workers until
+  ready and of the bare processes (``startup_cpu_s``, ``floor_cpu_s``). From the workers' logs, the
+  slowest rank's ``worker_up_s`` (its process's start to its first line: the interpreter, computron and
+  torch) and ``build_s`` (building and reading every model, the import of transformers included).
 - ``disk_vs_concurrent_read``: an engine with ``host_budget`` = ``--host-models`` shards serves
   ``--rounds`` round robins over the models (every load beyond the budget's comes from disk); right
   before and right after each disk-tier load, ``tp x pp`` bare processes read the same model's bytes
