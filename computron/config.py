@@ -49,7 +49,7 @@ class EngineConfig:
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
     the platform has no fork server), 'spawn' (each a fresh interpreter that imports everything itself) or
-    'auto' (the fork server for CPU workers, spawn for CUDA ones: see ``process_setup.worker_context``)."""
+    'auto' (the fork server for CPU workers, spawn for CUDA ones: see ``worker_start.worker_context``)."""
     prepare_threads: int = 1
     """Threads that prepare requests whose batch manager tokenizes or decodes images (off the event loop
     and the engine's lock), at a lower CPU priority than the master's own threads, so that a burst of
