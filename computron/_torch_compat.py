@@ -14,6 +14,9 @@ of them is fixed here, in one file.
   buffer that keeps the ``Parameter`` objects and their ties.
 - ``local_shape_and_offset``: a DTensor slice's shape and offset on any device mesh
   (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``).
+- ``forward_hook_ids``, ``remove_forward_hooks_since``: removing the forward hooks some library registered
+  on a module without handing out their handles (``parallelize_module``'s), by the ids in
+  ``Module._forward_pre_hooks`` / ``_forward_hooks``.
 """
 from __future__ import annotations
 
@@ -65,5 +68,20 @@ def local_shape_and_offset(t) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(shape), tuple(offset)
 
 
+def forward_hook_ids(module: nn.Module) -> Tuple[frozenset, frozenset]:
+    """The ids of the forward pre-hooks and forward hooks registered on ``module`` now."""
+    return frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks)
+
+
+def remove_forward_hooks_since(module: nn.Module, before: Tuple[frozenset, frozenset]) -> None:
+    """Remove the forward pre-hooks and hooks registered on ``module`` since ``before = forward_hook_ids(module)``."""
+    for hooks, old in ((module._forward_pre_hooks, before[0]), (module._forward_hooks, before[1])):
+        for hook_id in [h for h in hooks if h not in old]:
+            del hooks[hook_id]
+            for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                          "_forward_hooks_always_called"):
+                getattr(module, extra, {}).pop(hook_id, None)
+
+
 __all__ = ["local_tensor", "direct_tensors", "direct_tensor", "set_parameter", "map_tensors",
-           "local_shape_and_offset"]
+           "local_shape_and_offset", "forward_hook_ids", "remove_forward_hooks_since"]

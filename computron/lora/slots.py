@@ -267,7 +267,7 @@ class LoraSlots:
 
     def _lora_forward(self, t: _Target, x, out):
         """The hook's work: ``out + scaling * (x A^T) B^T`` for every row with its own slot."""
-        if isinstance(x, DTensor):  # parallelize_module's input hooks hand the Linear a DTensor
+        if isinstance(x, DTensor):  # a Linear left on DTensor's path (models/local_tp.py) gets a DTensor
             x = x.to_local()
         y = out.to_local() if isinstance(out, DTensor) else out
         idx, r = self._idx, self._r

@@ -133,7 +133,9 @@ class GenerativeRunner(StageRunner):
 
 
 def parallelize(module: nn.Module, plan: dict, ctx: StageContext) -> None:
+    """Split ``module`` by the TP ``plan`` (plain column- and row-parallel Linears then run on their local
+    shards: ``local_tp``)."""
     if ctx.tp == 1 or not plan:
         return
-    from torch.distributed.tensor.parallel import parallelize_module
-    parallelize_module(module, ctx.tp_mesh(), plan, src_data_rank=ctx.scatter_from)
+    from .local_tp import split_linears
+    split_linears(module, plan, ctx.tp_mesh(), ctx.groups.tp_group, ctx.scatter_from)

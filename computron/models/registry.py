@@ -177,12 +177,19 @@ def shard_layers(layers: Sequence["nn.Module"], family: Family, plan: dict, ctx:
             raise ValueError(f"model {ctx.model_id!r}: {what} has no {missing}; its {config.model_type} "
                              f"layout does not fit the {family.name} TP plan")
         parallelize(layer, plan, ctx)
-        for path in family.divide:  # what transformers may reshape with: this rank's share
-            mod_path, _, attr = path.rpartition(".")
-            mod = layer.get_submodule(mod_path) if mod_path else layer
-            if hasattr(mod, attr):
-                setattr(mod, attr, getattr(mod, attr) // ctx.tp)
+        divide_widths(layer, family, ctx.tp)
+
+
+def divide_widths(layer: "nn.Module", family: Family, tp: int) -> None:
+    """Divide the head counts and widths transformers may reshape with (``family.divide``) by the TP size:
+    this rank's share, once its Linears are split."""
+    for path in family.divide:
+        mod_path, _, attr = path.rpartition(".")
+        mod = layer.get_submodule(mod_path) if mod_path else layer
+        if hasattr(mod, attr):
+            setattr(mod, attr, getattr(mod, attr) // tp)
 
 
 __all__ = ["Family", "FAMILIES", "ENCODER", "CAUSAL_LM", "GENERIC_HINT", "model_types", "tp_fields_of_any_family",
-           "family_of", "encoder_family", "decoder_family", "has_submodule", "check_tp_divisible", "shard_layers"]
+           "family_of", "encoder_family", "decoder_family", "has_submodule", "check_tp_divisible", "shard_layers",
+           "divide_widths"]
