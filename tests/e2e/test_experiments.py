@@ -376,3 +376,21 @@ def test_burst_and_preparation_benchmarks_cpu_paths(tmp_path):
     line, _ = run_main(os.path.join(ROOT, "benchmarks", "preparation.py"), "--burst", "8", "--chars", "300",
                        "--lm-tokens", "400", "--workdir", str(tmp_path))
     assert line["quiet_step_gap_ms_p50"] is not None and line["master_ms_per_step"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_tp_forward_benchmark_quick_path():
+    """benchmarks/tp_forward.py at opt-tiny, as a command (its ranks are spawned processes): every variant timed,
+    the ratios are those of the decode times it reports."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tp_forward.py"), "--quick"],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout[-2000:]
+    doc = json.loads(lines[0])
+    assert doc["benchmark"] == "tp_forward" and doc["tp"] == 2
+    for variant in ("local", "dtensor", "dtensor_inference_mode"):
+        assert doc[variant]["prefill_s"] > 0 and set(doc[variant]["decode_s"]) == {"1", "8"}
+    decode = {v: doc[v]["decode_s"]["1"] for v in ("local", "dtensor", "dtensor_inference_mode")}
+    assert doc["dtensor_vs_local"] == pytest.approx(decode["dtensor"] / decode["local"])
+    assert doc["inference_mode_vs_local"] == pytest.approx(decode["dtensor_inference_mode"] / decode["local"])
