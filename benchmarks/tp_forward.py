@@ -126,6 +126,7 @@ def free_port() -> int:
 
 
 def main(argv=None):
+    import importlib
     import tempfile
 
     import torch.multiprocessing as mp
@@ -133,9 +134,12 @@ def main(argv=None):
     from workload import machine_info
     args = parse_args(argv)
     print(f"{args.model}, TP={args.tp}: {', '.join(VARIANTS)}, {args.repeats} repeats", file=sys.stderr, flush=True)
+    importlib.import_module("transformers.models.opt.modeling_opt")  # once, before the ranks fork
     with tempfile.TemporaryDirectory() as d:
         out_path = os.path.join(d, "out.json")
-        mp.spawn(rank_main, args=(args, free_port(), out_path), nprocs=args.tp, join=True)
+        # fork: nothing has run a torch op here yet (no thread pool to inherit), and the ranks skip the imports
+        mp.start_processes(rank_main, args=(args, free_port(), out_path), nprocs=args.tp, join=True,
+                           start_method="fork")
         with open(out_path) as f:
             res = json.load(f)
     first = str(args.batches[0])
