@@ -11,7 +11,10 @@ Groups die and come back. A call that finds its group dead (the actor gone, or i
 - a request that got nothing yet is sent once more, to another group (the router's ``exclude``): a
   non-streamed one, and a stream before its first token (the server's completions are streams, and a
   request waiting through its model's load has no token yet);
-- a stream that already yielded tokens ends with ``EngineDeadError`` naming the group.
+- a stream that already yielded tokens is sent once more too where its tokens do not depend on the group
+  or the batch (greedy, or seeded: ``groups.replayable``): the new group's first tokens are checked
+  against those already yielded and not yielded again. Any other stream, or one whose replay differs,
+  ends with ``EngineDeadError`` naming the group.
 When Ray has restarted a group (a push with a new ``incarnation``), the front brings its models up to
 date with the catalog (models added, replaced or removed since the group was launched, pins and
 priorities); until then the router sends it only the models whose version it holds (``tags``).
@@ -34,7 +37,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 from ..errors import EngineDeadError, LaunchError, RequestTimeoutError, UnknownModelError
 from .board import Board, ClusterSnapshot, GroupDied, short_error
 from .catalog import CatalogMixin
-from .groups import GroupUpdate, request_tokens
+from .groups import GroupUpdate, replayable, request_tokens
 from .placement import HostPlacement, HostPlanning
 from .policy import GroupState, NoGroupError
 from .relay import Relayed
@@ -241,37 +244,50 @@ class ClusterEngine(CatalogMixin, HostPlanning):
 
     async def stream(self, model_id: str, data: Any, timeout: Optional[float] = None) -> AsyncIterator[int]:
         """One generation's token ids as its group makes them. Sent once more to another group if its group
-        dies before the first token; after it, the group's death ends the stream with ``EngineDeadError``."""
+        dies before the first token, or after it where the generation is ``replayable`` (the tokens already
+        yielded are checked and skipped); otherwise the group's death ends the stream with ``EngineDeadError``."""
         import ray
         deadline = None if timeout is None else time.monotonic() + timeout
-        tokens, exclude, died = request_tokens(data), [], []
+        tokens, exclude, died, sent = request_tokens(data), [], [], []
         for _ in range(2):
             g, inc = self._route(model_id, tokens, exclude, died)
             gen = self._groups[g].stream.remote(model_id, data, _left(deadline, timeout, model_id))
-            n, error, complete = 0, None, False
+            n, error, complete, differed = 0, None, False, False
             try:
                 it = gen.__aiter__()
                 while True:
                     try:
                         tok = await (await it.__anext__())
                     except StopAsyncIteration:
-                        complete = True
-                        return
+                        complete, differed, at = True, n < len(sent), n + 1
+                        if not differed:
+                            return
+                        break
                     except Exception as exc:  # noqa: BLE001
                         error = self._translate(g, exc)
                         break
                     n += 1
+                    if n <= len(sent):  # a replay: what the dead group already gave is checked, not yielded
+                        if tok != sent[n - 1]:
+                            differed, at = True, n
+                            break
+                        continue
+                    sent.append(tok)
                     yield tok
             finally:
                 self._finished(g, model_id, tokens)
-                if not complete and error is None:
-                    ray.cancel(gen)  # the caller left: the group's engine drops the sequence
+                if not complete and (error is None or differed):
+                    ray.cancel(gen)  # the caller left, or a replay differed: the group drops the sequence
+            if differed:
+                raise EngineDeadError(f"{died[-1]} while streaming model {model_id!r} ({len(sent)} tokens sent); "
+                                      f"its replay on group {g} differed at token {at}: the "
+                                      "stream ends here")
             if not isinstance(error, GroupDied):
                 raise error
             self._suspect(g, inc, error)
-            if n:
-                raise EngineDeadError(f"{error} while streaming model {model_id!r} ({n} tokens sent): the "
-                                      "stream ends here")
+            if sent and not replayable(data):
+                raise EngineDeadError(f"{error} while streaming model {model_id!r} ({len(sent)} tokens sent): "
+                                      "the stream ends here")
             self.retries += 1
             exclude.append(g)
             died.append(str(error))

@@ -58,6 +58,14 @@ def request_tokens(data: Any) -> int:
     return 1
 
 
+def replayable(data: Any) -> bool:
+    """Whether a generation gives the same tokens when sent again, on any group and in any batch: greedy
+    (no temperature, 0, or ``top_k`` 1), or sampled with its own ``seed``."""
+    if not isinstance(data, dict):
+        return False
+    return not data.get("temperature") or data.get("top_k") == 1 or data.get("seed") is not None
+
+
 def model_of(key: str) -> str:
     """The model id of an engine version key (``m@v2`` -> ``m``; ids never contain ``@``)."""
     m = _VERSION_KEY.match(key)
