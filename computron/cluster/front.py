@@ -67,7 +67,7 @@ class ClusterEngine(CatalogMixin, HostPlanning):
         self._observers: List[Callable[[int, Optional[GroupUpdate]], None]] = []
         self._closed = False
         self.retries = 0
-        """Requests sent to a second group because the first died before answering."""
+        """Requests sent to a second group because the first died before it had answered them whole."""
         self._placement = placement or HostPlacement(len(self._groups))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="computron-cluster-front", daemon=True)
