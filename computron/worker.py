@@ -278,7 +278,7 @@ class Worker(ModelChanges, HostTier):
         runner = self.runners[cmd.model_id]
         t0 = time.perf_counter()
         # no_grad, not inference_mode: on inference tensors DTensor's sharding propagation misses its cache
-        # and reaches the TP layouts through all-gathers (a TP=2 decode step of opt-125m took 1.2 s, not 0.22)
+        # and reaches the TP layouts through all-gathers (benchmarks/tp_forward.py: 3x the step's time)
         with torch.no_grad():  # the runner waits for the weights inside its failure handling
             out = runner.run(cmd.batch, store.wait_segment)
         self._sync_device()
