@@ -15,6 +15,7 @@ three times, its decoder layers split by the family's TP plan, and time, alterna
 Per variant, medians over ``--repeats`` of the slowest rank: ``prefill_s`` (one prompt of ``--prompt``
 tokens), ``decode_s`` per batch size of ``--batches`` (one new token per row over a KV cache of the
 prompt). Ratios: ``dtensor_vs_local`` and ``inference_mode_vs_local`` (decode of the first batch size).
+``local_equals_dtensor``: whether the two splits gave the same logits for the prompt (within 1e-4).
 
     .venv/bin/python benchmarks/tp_forward.py            # opt-125m, TP=2 (about a minute)
     .venv/bin/python benchmarks/tp_forward.py --quick    # opt-tiny, 2 repeats (the tests' path)
@@ -83,8 +84,11 @@ def rank_main(rank, args, port, out_path):
         models = {v: build(args, v, mesh, dist.group.WORLD) for v in ("local", "dtensor")}
         models["dtensor_inference_mode"] = models["dtensor"]
         gen = torch.Generator().manual_seed(1)
-        prompt = {b: torch.randint(4, 50, (b, args.prompt), generator=gen) for b in args.batches}
+        prompt = {b: torch.randint(4, 50, (b, args.prompt), generator=gen) for b in {1, *args.batches}}
         nxt = {b: torch.randint(4, 50, (b, 1), generator=gen) for b in args.batches}
+        with torch.no_grad():
+            logits = {v: models[v](prompt[1]).logits for v in ("local", "dtensor")}
+        same = bool(torch.allclose(logits["local"], logits["dtensor"], atol=1e-4, rtol=1e-4))
 
         def timed(fn):
             dist.barrier()
@@ -113,6 +117,7 @@ def rank_main(rank, args, port, out_path):
             out = {v: {"prefill_s": float(np.median(t["prefill"])),
                        "decode_s": {str(b): float(np.median(t[b])) for b in args.batches}}
                    for v, t in times.items()}
+            out["local_equals_dtensor"] = same
             with open(out_path, "w") as f:
                 json.dump(out, f)
     finally:

@@ -388,7 +388,7 @@ def test_tp_forward_benchmark_quick_path():
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1, run.stdout[-2000:]
     doc = json.loads(lines[0])
-    assert doc["benchmark"] == "tp_forward" and doc["tp"] == 2
+    assert doc["benchmark"] == "tp_forward" and doc["tp"] == 2 and doc["local_equals_dtensor"] is True
     for variant in ("local", "dtensor", "dtensor_inference_mode"):
         assert doc[variant]["prefill_s"] > 0 and set(doc[variant]["decode_s"]) == {"1", "8"}
     decode = {v: doc[v]["decode_s"]["1"] for v in ("local", "dtensor", "dtensor_inference_mode")}
