@@ -23,7 +23,16 @@ def __getattr__(name):
 
 
 def make_runner(module, model_config, ctx):
-    """The runner of ``module``'s kind, holding this rank's shard of it."""
+    """The runner of ``module``'s kind, holding this rank's shard of it (on a CPU, its plain Linears
+    computing few rows weight-first: ``cpu_linear``)."""
+    runner = _runner_of_kind(module, model_config, ctx)
+    if ctx.device.type == "cpu":
+        from .cpu_linear import use_few_row_kernel
+        use_few_row_kernel(module)
+    return runner
+
+
+def _runner_of_kind(module, model_config, ctx):
     from .causal_lm import CausalLMRunner, causal_lm_family
     from .encoder import EncoderRunner
     from .generic import ModuleRunner

@@ -18,17 +18,18 @@ load). Entries of any other kind, a pattern, or a module that is no plain Linear
 so does the whole plan where one of its entries may hand a DTensor on.
 Inputs and outputs are what the hooks made of them: a column-parallel Linear takes the whole input and
 returns its slice of the output features, a row-parallel one takes its slice of the input features and
-returns the whole output.
+returns the whole output. Their matmul is ``cpu_linear.linear``'s (``F.linear`` but for a few rows on a
+multi-threaded CPU).
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .._torch_compat import forward_hook_ids, local_tensor, remove_forward_hooks_since
+from . import cpu_linear
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -36,7 +37,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x):
         bias = self.bias
-        return F.linear(x, local_tensor(self.weight), None if bias is None else local_tensor(bias))
+        return cpu_linear.linear(x, local_tensor(self.weight), None if bias is None else local_tensor(bias))
 
 
 class RowParallelLinear(nn.Linear):
@@ -46,7 +47,7 @@ class RowParallelLinear(nn.Linear):
     tp_group = None
 
     def forward(self, x):
-        y = F.linear(x, local_tensor(self.weight))
+        y = cpu_linear.linear(x, local_tensor(self.weight))
         dist.all_reduce(y, group=self.tp_group)
         if self.bias is not None:
             y = y + local_tensor(self.bias)

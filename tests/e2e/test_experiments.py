@@ -394,3 +394,25 @@ def test_tp_forward_benchmark_quick_path():
     decode = {v: doc[v]["decode_s"]["1"] for v in ("local", "dtensor", "dtensor_inference_mode")}
     assert doc["dtensor_vs_local"] == pytest.approx(decode["dtensor"] / decode["local"])
     assert doc["inference_mode_vs_local"] == pytest.approx(decode["dtensor_inference_mode"] / decode["local"])
+
+
+@pytest.mark.timeout(300)
+def test_cpu_linear_benchmark_quick_path():
+    """benchmarks/cpu_linear.py at opt-tiny, as a command: both forms timed at each thread count and row count,
+    the ratios are those of the times it reports, and the swapped Linears pick the plain ones' greedy tokens."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cpu_linear.py"), "--quick"],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout[-2000:]
+    doc = json.loads(lines[0])
+    assert doc["benchmark"] == "cpu_linear" and doc["model"] == "opt-tiny" and doc["linears"] > 0
+    assert set(doc["chain"]) == {"1", "2"} and all(set(c) == {"1", "8"} for c in doc["chain"].values())
+    for per_rows in doc["chain"].values():
+        for c in per_rows.values():
+            assert c["f_linear"] > 0 and c["ratio"] == pytest.approx(c["weight_first"] / c["f_linear"])
+    dec = doc["decode"]
+    assert dec["threads"] == 2 and dec["same_tokens"] is True
+    for batch in ("1", str(dec["batch"])):
+        row = dec[batch]
+        assert row["step_ratio"] == pytest.approx(row["few_row_kernel"]["step_ms"] / row["f_linear"]["step_ms"])

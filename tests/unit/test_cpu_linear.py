@@ -1,0 +1,110 @@
+"""CPU Linears of a few rows (``models/cpu_linear.py``): the weight-first product equals ``F.linear`` to float
+rounding in every shape it takes, ``linear`` picks it only where its rule says, and the class swap keeps
+the modules, their hooks and what they compute."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from computron.models import cpu_linear
+from computron.models.cpu_linear import FewRowLinear, linear, use_few_row_kernel, weight_first
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op threads for one test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [2, 3, 8, 64])
+def test_weight_first_equals_f_linear_and_is_contiguous(rows, bias):
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 48), torch.randn(96, 48)
+    b = torch.randn(96) if bias else None
+    out = weight_first(x, w, b)
+    assert out.shape == (rows, 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_computes_few_rows_weight_first_with_several_threads(threads, monkeypatch):
+    threads(2)
+    used = []
+    monkeypatch.setattr(cpu_linear, "weight_first", lambda *a: used.append(a[0].shape) or F.linear(*a))
+    w, b = torch.randn(32, 16), torch.randn(32)
+    for shape in [(1, 16), (2, 16), (3, 5, 16), (64, 16), (65, 16), (16,), (2, 40, 16)]:
+        x = torch.randn(*shape)
+        out = linear(x, w, b)
+        assert out.shape == (*shape[:-1], 32)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # 1 row (a matrix-vector product either way), over MAX_ROWS rows and 1-D inputs keep F.linear
+    assert used == [(2, 16), (15, 16), (64, 16)]
+
+
+def test_linear_is_f_linear_with_one_thread_or_mixed_dtypes(threads, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "weight_first", lambda *a: pytest.fail("weight-first was picked"))
+    w = torch.randn(32, 16)
+    threads(1)
+    x = torch.randn(8, 16)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    threads(2)
+    with pytest.raises(RuntimeError):  # F.linear's own error for mismatched dtypes
+        linear(torch.randn(8, 16, dtype=torch.float64), w)
+
+
+def test_swap_keeps_modules_hooks_and_outputs_and_skips_subclasses(threads):
+    threads(2)
+    torch.manual_seed(0)
+
+    class Custom(nn.Linear):
+        pass
+
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), Custom(16, 4))
+    seen = []
+    net[2].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    first, x = net[0], torch.randn(4, 16)
+    with torch.no_grad():
+        want = net(x)
+    assert use_few_row_kernel(net) == 2
+    assert net[0] is first and type(net[0]) is FewRowLinear and type(net[2]) is FewRowLinear
+    assert type(net[3]) is Custom
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
+    assert seen == [(4, 16), (4, 16)]
+    assert isinstance(net[0], nn.Linear) and net[0].weight is first.weight
+
+
+class OneRank:
+    """What a TP=1, PP=1 runner reads of ``topology.Groups``."""
+
+    def __init__(self):
+        from computron.topology import Layout
+        self.layout, self.rank, self.tp_group = Layout(1, 1, 1, False), 0, None
+
+    stage = property(lambda self: 0)
+    tp_rank = property(lambda self: 0)
+
+
+def test_a_cpu_runner_swaps_its_linears_and_generates_what_plain_linears_do(threads, tmp_path):
+    """``make_runner`` on a CPU device swaps the model's Linears; greedy generation of a padded batch (a
+    prefill of 4 x 6 rows, decode steps of 4) with two threads gives the plain model's tokens."""
+    from computron import ModelConfig, zoo
+    from computron.models import StageContext, make_runner
+    threads(2)
+    path = zoo.save_random_causal_lm("opt-tiny", str(tmp_path / "m"), seed=3)
+    ids = torch.tensor([[1, 1, 5, 17, 42, 99], [300, 12, 8, 9, 10, 11], [1, 1, 1, 77, 66, 55], [2, 401, 3, 250, 18, 7]])
+    mask = (torch.arange(6)[None, :] >= torch.tensor([[2], [0], [3], [0]])).long()
+    plain = zoo.load_causal_lm(path).eval()
+    with torch.no_grad():
+        want = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
+
+    model = zoo.load_causal_lm(path).eval()
+    ctx = StageContext(OneRank(), torch.device("cpu"), "m", scatter_from=None)
+    runner = make_runner(model, ModelConfig("m", zoo.load_causal_lm, {"path": path}), ctx)
+    linears = [m for m in runner.module.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is FewRowLinear for m in linears)
+    with torch.no_grad():
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
+    assert torch.equal(got, want)
