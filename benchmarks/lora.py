@@ -18,20 +18,24 @@ the same adapters merged into full checkpoints (``merge_and_unload``). Measured 
   of one engine holding the merged checkpoints (``max_loaded=1`` both: one model resident, as when a device
   holds one base) (target >= 3). Each engine replays the same seeded Poisson traces (``--duration`` s each,
   longer where needed for ``--min-requests``; requests spread evenly over the fine-tunes) at rates of the
-  ``--rates`` grid, from ``--start-rate`` up while sustained, else down until sustained; its sustainable rate
-  is the highest whose p90 latency stays within ``--slo-factor`` times one lone request's latency on the
-  adapter engine (the same bound for both) while the next rate up does not. Per rate: mean and p90
-  latency, loads so far; ``merged_engine.load_s_median``: what one swap of a merged checkpoint took.
+  ``--rates`` grid (steps of 1.41x), from ``--start-rate`` up while sustained, else down until sustained,
+  then ``--refine`` geometric bisections between the last rate sustained and the first one not (two: steps
+  of 1.09x); its sustainable rate is the highest whose p90 latency stays within ``--slo-factor`` times one
+  lone request's latency on the adapter engine (the same bound for both) while the next rate up does not.
+  Per rate: mean and p90 latency, loads so far; ``merged_engine.load_s_median``: what one swap of a merged
+  checkpoint took. ``--threads`` sets both engines' ``EngineConfig.worker_threads``.
 - ``capacity_ratio``: what the two engines' own step times allow for that ratio, whatever the scheduling:
   a merged checkpoint serving one request per swap, unbatched, against the adapters with every decode step
   a full batch of one sequence per adapter. Its parts are in each engine's row: ``prefill_step_s`` (a lone
   request's admission step), ``decode_step_1_s`` (its decode steps), ``decode_step_batch_s`` (a decode step
   of the mixed batch of ``batch`` sequences). On a GPU a decode step of 8 costs about what one of 1 does
-  and a swap many steps; on this CPU a step of 8 costs 2.5-3x one and the swap of an opt-125m about two
-  steps, which puts this ratio near 3, and the rate ratio, whose latency bound keeps batches smaller than
-  full, below it.
+  and a swap many steps. On this 2-core CPU with the default threads (one worker thread, a core left to
+  the master) a step of 8 costs about 2.5x one and the swap of an opt-125m about two steps, which puts this
+  ratio at 2-3; with both cores (``--threads 2``, where Linears of a few rows run weight-first:
+  ``computron/models/cpu_linear.py``) a step of 8 costs 1.7x one and a swap 2.4 steps: about 4.
 
     .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (about ten minutes)
+    .venv/bin/python benchmarks/lora.py --threads 2     # the same, each engine's one worker on both cores
     .venv/bin/python benchmarks/lora.py --quick         # opt-tiny, short trace (the tests' path)
 """
 from __future__ import annotations
@@ -66,16 +70,22 @@ def parse_args(argv=None):
     p.add_argument("--duration", type=float, default=20.0, help="seconds of each rate's trace, at least")
     p.add_argument("--min-requests", type=int, default=24,
                    help="each rate's trace lasts long enough for this many requests (its p90 is no lone outlier)")
+    p.add_argument("--refine", type=int, default=2,
+                   help="bisections between the grid's last sustained rate and its first unsustained one")
     p.add_argument("--slo-factor", type=float, default=4.0)
     p.add_argument("--trace-tokens", type=int, default=8, help="new tokens per request of the trace")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0,
+                   help="EngineConfig.worker_threads of both engines (0 = automatic: one core left to the master)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench", "lora"))
-    p.add_argument("--quick", action="store_true", help="opt-tiny, 4 adapters of rank 8, traces of 1-3 s")
+    p.add_argument("--quick", action="store_true",
+                   help="opt-tiny, 4 adapters of rank 8, traces of 1-3 s, one bisection")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.adapters, args.rank, args.tokens, args.repeats = "opt-tiny", 4, 8, 8, 1
         args.rates, args.duration, args.trace_tokens, args.start_rate, args.min_requests = "1,2,4,8", 1.0, 4, 2, 3
+        args.refine = min(args.refine, 1)
     return args
 
 
@@ -125,21 +135,31 @@ def trace(args, rate, ids):
 
 
 async def sustainable(engine, args, ids, prompt, bound_s) -> tuple:
-    """(the highest rate of ``--rates`` whose p90 latency stays within ``bound_s`` while the next one up does
-    not, a row per rate tried): from ``--start-rate`` up while sustained, else down until sustained (0.0
-    when even the lowest is not)."""
+    """(the highest rate whose p90 latency stays within ``bound_s`` while the next one up does not, a row
+    per rate tried): along the ``--rates`` grid from ``--start-rate`` up while sustained, else down until
+    sustained (0.0 when even the lowest is not); then ``--refine`` geometric bisections between the highest
+    rate sustained and the lowest one not, so that the rate is known to a finer step than the grid's."""
     grid = sorted(float(x) for x in args.rates.split(","))
     i = min(range(len(grid)), key=lambda k: abs(grid[k] - args.start_rate))
     rows, ok = [], {}
-    while 0 <= i < len(grid) and grid[i] not in ok:
-        rate = grid[i]
+
+    async def attempt(rate):
         lat = await replay(engine, trace(args, rate, ids), prompt, args.trace_tokens)
         p90 = float(np.percentile(lat, 90)) if len(lat) else 0.0
         ok[rate] = p90 <= bound_s
         rows.append({"rate": rate, "requests": len(lat), "mean_s": float(lat.mean()) if len(lat) else 0.0,
                      "p90_s": p90, "sustained": ok[rate], "loads_so_far": len(engine.metrics("load"))})
-        log(f"  rate {rate}/s: {rows[-1]}")
-        i += 1 if ok[rate] else -1
+        log(f"  rate {rate:.3g}/s: {rows[-1]}")
+
+    while 0 <= i < len(grid) and grid[i] not in ok:
+        await attempt(grid[i])
+        i += 1 if ok[grid[i]] else -1
+    for _ in range(args.refine):
+        lo = max((r for r, good in ok.items() if good), default=None)
+        hi = min((r for r, good in ok.items() if not good and (lo is None or r > lo)), default=None)
+        if lo is None or hi is None:
+            break
+        await attempt(round(float(np.sqrt(lo * hi)), 4))
     return max((r for r, good in ok.items() if good), default=0.0), rows
 
 
@@ -205,7 +225,8 @@ async def adapters_run(args, base, adapters, prompt) -> dict:
     configs += [ModelConfig(m, base="base", adapter=a) for m, a in zip(ids, adapters)]
     log(f"[adapters] base {args.model} + {len(ids)} adapters of rank {args.rank}, TP={args.tp}")
     engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1, max_loras=len(ids),
-                                                                max_lora_rank=max(64, args.rank)),
+                                                                max_lora_rank=max(64, args.rank),
+                                                                worker_threads=args.threads),
                                      configs, args.tp)
     out = {}
     async with engine:
@@ -241,7 +262,8 @@ async def merged_run(args, merged, prompt, bound_s: float) -> dict:
     from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
     configs = [ModelConfig(f"ft{i}", zoo.load_causal_lm, {"path": m}) for i, m in enumerate(merged)]
     log(f"[merged] {len(configs)} merged {args.model} checkpoints, TP={args.tp}, max_loaded=1")
-    engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1), configs, args.tp)
+    engine = await asyncio.to_thread(LaunchEngine, EngineConfig(max_loaded=1, worker_threads=args.threads),
+                                     configs, args.tp)
     async with engine:
         await engine.submit(configs[0].model_id, {"input_ids": prompt, "max_tokens": 1})  # its load
         _, prefill_s, decode_s = await lone_request_steps(engine, configs[0].model_id, prompt, args.trace_tokens)
@@ -261,7 +283,8 @@ def main(argv=None):
     m = asyncio.run(merged_run(args, merged, prompt, a["latency_bound_s"]))
     log(f"[merged] {json.dumps(m)}")
     doc = {"benchmark": "lora", "model": args.model, "adapters": args.adapters, "rank": args.rank,
-           "targets_modules": list(ATTENTION), "tp": args.tp, "rates_grid": args.rates, "start_rate": args.start_rate,
+           "targets_modules": list(ATTENTION), "tp": args.tp, "worker_threads": args.threads,
+           "rates_grid": args.rates, "refine": args.refine, "start_rate": args.start_rate,
            "min_requests": args.min_requests, "duration_s": args.duration, "trace_tokens": args.trace_tokens,
            "mixed_batch_tokens_per_s_ratio": a["mixed_tokens_per_s"] / a["bare_tokens_per_s"],
            "adapter_load_vs_base_load": a["adapter_fill_s"] / a["base_load_s"],

@@ -44,3 +44,12 @@ def test_lora_benchmark_quick_path(tmp_path):
     assert a["batch"] == doc["adapters"] and a["decode_step_batch_s"] > 0 and m["decode_step_1_s"] > 0
     if m["sustainable_rate"]:
         assert doc["rate_ratio_vs_merged"] == a["sustainable_rate"] / m["sustainable_rate"]
+    grid = {float(x) for x in doc["rates_grid"].split(",")}
+    for eng in (a, m):  # the grid walk, then bisections strictly between its last good and first bad rate
+        ok = [r["rate"] for r in eng["rates"] if r["rate"] in grid and r["sustained"]]
+        bad = [r["rate"] for r in eng["rates"]
+               if r["rate"] in grid and not r["sustained"] and ok and r["rate"] > max(ok)]
+        off_grid = [r["rate"] for r in eng["rates"] if r["rate"] not in grid]
+        assert len(off_grid) == (doc["refine"] if ok and bad else 0) == (1 if ok and bad else 0)
+        assert all(max(ok) < r < min(bad) for r in off_grid)
+        assert eng["sustainable_rate"] == max((r["rate"] for r in eng["rates"] if r["sustained"]), default=0.0)
