@@ -19,6 +19,7 @@ alternating, medians of ``--repeats``:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -90,17 +91,18 @@ def generate(model, batch: int, prompt: int, steps: int):
     ids = torch.randint(10, model.config.vocab_size, (batch, prompt), generator=gen)
     mask = torch.ones(batch, prompt, dtype=torch.int64)
     decoder = model.model.decoder
+    # transformers renamed the decoders' past_key_values to cache
+    key = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = DynamicCache()
         t0 = time.perf_counter()
-        hidden = decoder(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=True, **{key: cache}).last_hidden_state
         cur = model.lm_head(hidden[:, -1, :]).argmax(-1, keepdim=True)
         prefill_ms, step_ms, tokens = (time.perf_counter() - t0) * 1e3, [], [cur]
         for _ in range(steps):
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             t0 = time.perf_counter()
-            hidden = decoder(input_ids=cur, attention_mask=mask, past_key_values=cache,
-                             use_cache=True).last_hidden_state
+            hidden = decoder(input_ids=cur, attention_mask=mask, use_cache=True, **{key: cache}).last_hidden_state
             cur = model.lm_head(hidden[:, -1, :]).argmax(-1, keepdim=True)
             step_ms.append((time.perf_counter() - t0) * 1e3)
             tokens.append(cur)
