@@ -17,16 +17,23 @@ quantum preemption) is driven by a discrete-event model of the engine around it,
   ``residency.py --dump`` writes every swap's and step's times to re-calibrate them;
 - the engine warms up as ``residency.py`` does (one request per model, in order) before the replay.
 
+``--bounds`` also replays each trace under two policies no engine can run, to show how far any eviction
+policy can get on it: ``rates`` ranks the models by their true request rates (what ``cost`` estimates),
+``belady`` knows every future arrival and evicts the model asked for last (Belady's offline policy).
+
 Prints one JSON line: per policy and seed, ``loads``, ``bytes_loaded`` (shard bytes, as ``residency.py``
 counts them), ``preemptions``, ``ttft_p50/p99``; per seed ``bytes_moved_ratio`` and ``ttft_p99_ratio``
-(cost / lru); over seeds their median, min, max and how many seeds meet the targets (``residency.TARGETS``).
+(cost / lru; each bound's under ``bounds``); over seeds their median, min, max, how many seeds meet each
+target (``residency.TARGETS``) and ``both_targets``, for ``cost`` and under ``bounds`` for each bound.
 
     .venv/bin/python benchmarks/residency_sim.py --seeds 0-9          # the default configuration, 10 seeds
+    .venv/bin/python benchmarks/residency_sim.py --seeds 0-19 --bounds  # and what an oracle reaches
     .venv/bin/python benchmarks/residency_sim.py --models 2xopt-small:131072,2xopt-small:32768,4xopt-small
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import itertools
 import json
@@ -42,6 +49,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
 
+from computron.eviction import LruEviction  # noqa: E402
 from computron.scheduler import ActionKind, Reason, Scheduler  # noqa: E402
 from residency import FULL, POLICIES, TARGETS, parse_models, zipf_rates  # noqa: E402
 from workload import make_trace  # noqa: E402
@@ -74,12 +82,63 @@ def requests(trace, seed: int, mean_tokens: float, cap: int, prompt_range) -> Li
     return out
 
 
-class Sim:
-    """One engine (one eviction policy) on a simulated clock."""
+class RatesKnown(LruEviction):
+    """Bound: the models ranked by their true request rates (what ``cost`` has to estimate), the lowest rate
+    leaving first; spares unneeded victims as ``cost`` does. Under stationary arrivals this is the best fixed
+    ranking: what ``cost`` would do if it knew the rates from the start."""
 
-    def __init__(self, args, eviction: str, sizes: Dict[str, int]):
+    name = "rates"
+    spare_unneeded = True
+
+    def __init__(self, rates: Dict[str, float]):
+        super().__init__()
+        self._rates = rates
+
+    def key(self, m: str):
+        return (self._rates[m],) + super().key(m)
+
+
+class Belady(LruEviction):
+    """Bound: the offline policy that knows every future arrival (Belady's): the model whose next request
+    comes last leaves first (one with a request waiting: now). No engine can know this; it shows how far any
+    eviction policy can get on a trace."""
+
+    name = "belady"
+    spare_unneeded = True
+
+    def __init__(self, sim: "Sim", arrivals: Dict[str, List[float]]):
+        super().__init__()
+        self._sim = sim
+        self._arrivals = arrivals  # per model, sorted
+
+    def key(self, m: str):
+        now = self._sim.now
+        if self._sim.queue[m]:
+            gap = 0.0
+        else:
+            times = self._arrivals[m]
+            i = bisect.bisect_right(times, now)
+            gap = times[i] - now if i < len(times) else float("inf")
+        return (-gap,) + super().key(m)
+
+
+BOUNDS = ("rates", "belady")
+"""Policies only a simulation can run (``--bounds``): they know what an engine cannot."""
+
+
+class Sim:
+    """One engine (one eviction policy: a name of ``EVICTIONS`` or ``BOUNDS``) on a simulated clock."""
+
+    def __init__(self, args, eviction: str, sizes: Dict[str, int], reqs: List[tuple],
+                 rates: Optional[Dict[str, float]] = None):
         self.a = args
         self.sizes = sizes
+        self.reqs = reqs
+        self.now = float("-inf")
+        if eviction == "rates":
+            eviction = RatesKnown(rates)
+        elif eviction == "belady":
+            eviction = Belady(self, {m: sorted(r[0] for r in reqs if r[1] == m) for m in sizes})
         budget = max(int(args.budget_fraction * sum(sizes.values())), max(sizes.values()))
         self.sched = Scheduler(list(sizes), None, prefetch=True, overlap=True, max_inflight=1, policy=args.policy,
                                quantum_s=args.quantum_ms / 1e3, sizes=sizes, device_budget=budget,
@@ -90,7 +149,6 @@ class Sim:
         self.events: list = []
         self.seq = itertools.count()
         self.worker_free = -1e9
-        self.reqs: List[tuple] = []
         self.ttft: Dict[int, float] = {}
         self.counting = False
         self.loads: List[str] = []
@@ -148,6 +206,7 @@ class Sim:
     def run(self) -> None:
         while self.events:
             now, _, kind, m, (seconds, payload) = heapq.heappop(self.events)
+            self.now = now
             if kind == "arrival":
                 self.counting = self.counting or payload >= self.first_counted
                 self.queue[m].append(payload)
@@ -169,10 +228,10 @@ class Sim:
             self.pump(now)
 
 
-def simulate(args, eviction: str, sizes: Dict[str, int], reqs: List[tuple]) -> dict:
-    sim = Sim(args, eviction, sizes)
+def simulate(args, eviction: str, sizes: Dict[str, int], reqs: List[tuple],
+             rates: Optional[Dict[str, float]] = None) -> dict:
     warm = [(-30.0 + i, m, 2, 1) for i, m in enumerate(sizes)]  # residency.serve: one request per model, in order
-    sim.reqs = warm + list(reqs)
+    sim = Sim(args, eviction, sizes, warm + list(reqs), rates)
     sim.first_counted = len(warm)
     for r, req in enumerate(sim.reqs):
         sim.arrive(r, req[0])
@@ -208,7 +267,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--policy", default="quantum")
     p.add_argument("--quantum-ms", type=float, default=200.0)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"of {POLICIES + BOUNDS}")
+    p.add_argument("--bounds", action="store_true",
+                   help=f"also run the policies only a simulation can: {', '.join(BOUNDS)} (see RatesKnown, Belady)")
     g = p.add_argument_group("measured costs (seconds; sizes in bytes per rank with the KV reserve)")
     g.add_argument("--load-fixed", type=float, default=0.005)
     g.add_argument("--load-bw", type=float, default=1.3e9, help="bytes/s of a load")
@@ -226,7 +287,35 @@ def parse_args(argv=None):
               "token_per_byte"):
         setattr(args, k, getattr(args, k) * args.slowdown)
     args.load_bw /= args.slowdown
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.policies += [b for b in BOUNDS if args.bounds and b not in args.policies]
+    unknown = [x for x in args.policies if x not in POLICIES + BOUNDS]
+    if unknown or not args.policies:
+        p.error(f"--policies {unknown or ''}: a comma-separated subset of {POLICIES + BOUNDS}")
     return args
+
+
+RATIOS = (("bytes_moved_ratio", "bytes_loaded"), ("ttft_p99_ratio", "ttft_p99"))
+
+
+def ratios(run: dict, policy: str) -> dict:
+    """``policy``'s figures over LRU's in one run (none where LRU moved nothing: every model fit)."""
+    return {key: round(run[policy][field] / run["lru"][field], 3) for key, field in RATIOS
+            if "lru" in run and policy in run and run["lru"][field]}
+
+
+def over_seeds(per_seed: List[dict]) -> dict:
+    """Each ratio's median, min, max and how many seeds meet its target; ``both_targets``: seeds meeting both."""
+    out = {}
+    for key, _ in RATIOS:
+        xs = [r[key] for r in per_seed if key in r]
+        if xs:
+            out[key] = {"median": round(statistics.median(xs), 3), "min": min(xs), "max": max(xs),
+                        "meets_target": sum(x <= TARGETS[key] for x in xs), "of": len(xs)}
+    both = [r for r in per_seed if all(key in r for key, _ in RATIOS)]
+    if both:
+        out["both_targets"] = sum(all(r[key] <= TARGETS[key] for key, _ in RATIOS) for r in both)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -234,32 +323,26 @@ def main(argv=None) -> dict:
     models = parse_models(args.models)
     sizes = {mid: int(opt_shard_bytes(name, v) * (1 + KV_RESERVE)) for mid, name, v in models}
     ids = list(sizes)
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    policies = args.policies
     runs = []
     for seed in seeds(args.seeds):
         rates = zipf_rates(len(ids), args.rate, args.zipf, seed)
         trace = make_trace(list(rates), args.cv, args.duration, seed, ids)
         reqs = requests(trace, seed + 1, args.mean_tokens, args.max_tokens_cap, (args.prompt_min, args.prompt_max))
-        run = {"seed": seed, **{pol: simulate(args, pol, sizes, reqs) for pol in policies}}
-        if "lru" in run and "cost" in run:  # no ratio where LRU moved nothing (every model fits)
-            for key, field in (("bytes_moved_ratio", "bytes_loaded"), ("ttft_p99_ratio", "ttft_p99")):
-                if run["lru"][field]:
-                    run[key] = round(run["cost"][field] / run["lru"][field], 3)
+        run = {"seed": seed, **{pol: simulate(args, pol, sizes, reqs, dict(zip(ids, rates))) for pol in policies}}
+        run.update(ratios(run, "cost"))
+        bounds = {b: ratios(run, b) for b in BOUNDS if b in policies}
+        if bounds:
+            run["bounds"] = bounds
         if args.per_seed:
             print(json.dumps(run), file=sys.stderr)
         runs.append(run)
     doc = {"simulator": "residency", "models": args.models, "sizes": sizes, "rate": args.rate,
-           "duration_s": args.duration, "zipf": args.zipf, "budget_fraction": args.budget_fraction,
-           "seeds": [r["seed"] for r in runs]}
-    for key in ("bytes_moved_ratio", "ttft_p99_ratio"):
-        xs = [r[key] for r in runs if key in r]
-        if xs:
-            doc[key] = {"median": round(statistics.median(xs), 3), "min": min(xs), "max": max(xs),
-                        "meets_target": sum(x <= TARGETS[key] for x in xs), "of": len(xs)}
-    both = [r for r in runs if "bytes_moved_ratio" in r and "ttft_p99_ratio" in r]
-    if both:
-        doc["both_targets"] = sum(r["bytes_moved_ratio"] <= TARGETS["bytes_moved_ratio"]
-                                  and r["ttft_p99_ratio"] <= TARGETS["ttft_p99_ratio"] for r in both)
+           "duration_s": args.duration, "zipf": args.zipf, "cv": args.cv, "budget_fraction": args.budget_fraction,
+           "seeds": [r["seed"] for r in runs], **over_seeds(runs)}
+    bounds = [b for b in BOUNDS if b in policies]
+    if bounds:
+        doc["bounds"] = {b: over_seeds([r["bounds"][b] for r in runs]) for b in bounds}
     for pol in policies:
         doc[pol] = {k: round(statistics.mean(r[pol][k] for r in runs), 3)
                     for k in ("loads", "preemptions", "ttft_p50", "ttft_p99")}

@@ -28,7 +28,7 @@ Every policy gets the same events (``touch``, ``evicted``, ``note_arrival``, ``r
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 HALF_LIFE_S = 30.0
 """Half-life of the request rate estimate of the ``cost`` policy, in seconds. An arrival counts half as
@@ -178,8 +178,12 @@ class CostEviction(LruEviction):
 EVICTIONS = (LruEviction.name, CostEviction.name)
 
 
-def make_eviction(name: str, sizes: Dict[str, int]) -> LruEviction:
-    """The policy called ``name`` (one of ``EVICTIONS``); ``sizes``: the scheduler's bytes per rank."""
+def make_eviction(name: Union[str, LruEviction], sizes: Dict[str, int]) -> LruEviction:
+    """The policy called ``name`` (one of ``EVICTIONS``); ``sizes``: the scheduler's bytes per rank. A policy
+    object (an ``LruEviction`` or a subclass) is used as it is: how a simulation plugs in a policy that knows
+    more than an engine can (``benchmarks/residency_sim.py``'s offline bounds)."""
+    if isinstance(name, LruEviction):
+        return name
     if name == LruEviction.name:
         return LruEviction()
     if name == CostEviction.name:

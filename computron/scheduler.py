@@ -38,10 +38,10 @@ Models come and go while serving (``add_model``, ``remove_model``, ``set_pinned`
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Optional, Set
+from typing import Dict, Iterable, List, Mapping, Optional, Set, Union
 
 # absolute: the purity check allows no package-relative import here
-from computron.eviction import EVICTIONS, make_eviction
+from computron.eviction import EVICTIONS, LruEviction, make_eviction
 from computron.policies import (MIN_TURN_STEPS, POLICIES, POLICY_RULES, Action, ActionKind, ModelState, Policy,
                                 Reason, choose_recompute)
 
@@ -56,7 +56,7 @@ class Scheduler:
                  overlap: bool = False, max_inflight: int = 2, policy: str = "run_to_completion",
                  quantum_s: float = 0.2, ttft_slo_s: float = 1.0, sizes: Optional[Mapping[str, int]] = None,
                  device_budget: Optional[int] = None, pinned: Iterable[str] = (),
-                 priority: Optional[Mapping[str, int]] = None, eviction: str = "lru"):
+                 priority: Optional[Mapping[str, int]] = None, eviction: Union[str, LruEviction] = "lru"):
         self.model_ids = list(model_ids)
         self._order = {m: i for i, m in enumerate(self.model_ids)}  # ties between equal heads
         if len(set(self.model_ids)) != len(self.model_ids):
@@ -90,7 +90,7 @@ class Scheduler:
         self.states: Dict[str, ModelState] = {m: ModelState.OFFLOADED for m in self.model_ids}
         self.inflight: Dict[str, int] = {m: 0 for m in self.model_ids}
         self._eviction = make_eviction(eviction, self.sizes)
-        self.eviction = eviction
+        self.eviction = self._eviction.name
         for m in self.model_ids:
             self._eviction.add(m)
         self._now: Optional[float] = None  # the latest caller's clock seen (decide, arrivals): for the eviction

@@ -38,11 +38,18 @@ def _simulate(*args):
 @pytest.mark.timeout(240)
 def test_residency_simulator_replays_through_the_scheduler():
     """benchmarks/residency_sim.py: with half the bytes resident both policies reload models, every seed
-    gives its ratios; with room for every model the warm-up's loads are the only ones, under both."""
-    doc = _simulate("--seeds", "0-2")
+    gives its ratios; the clairvoyant bound (--bounds) moves fewer bytes than LRU on every seed; with room
+    for every model the warm-up's loads are the only ones, under both."""
+    doc = _simulate("--seeds", "0-2", "--bounds")
     assert doc["seeds"] == [0, 1, 2] and len(doc["runs"]) == 3
     assert all(run[p]["loads"] > 0 and run[p]["bytes_loaded"] > 0 for run in doc["runs"] for p in ("lru", "cost"))
     assert doc["bytes_moved_ratio"]["of"] == 3 and doc["bytes_moved_ratio"]["min"] > 0
+    assert set(doc["bounds"]) == {"rates", "belady"}
+    for run in doc["runs"]:
+        assert run["belady"]["bytes_loaded"] < run["lru"]["bytes_loaded"], run
+        assert run["bounds"]["belady"]["bytes_moved_ratio"] == \
+            round(run["belady"]["bytes_loaded"] / run["lru"]["bytes_loaded"], 3)
+    assert doc["bounds"]["belady"]["bytes_moved_ratio"]["of"] == 3
     roomy = _simulate("--seeds", "0", "--budget-fraction", "1.05")
     assert all(roomy["runs"][0][p]["loads"] == 0 for p in ("lru", "cost")), roomy["runs"][0]
     assert "bytes_moved_ratio" not in roomy["runs"][0]

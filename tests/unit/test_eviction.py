@@ -38,6 +38,21 @@ def test_names_and_config():
     assert EngineConfig().eviction == "lru"
 
 
+def test_a_policy_object_is_used_as_given():
+    """A simulation's own policy (benchmarks/residency_sim.py's bounds): the scheduler feeds it every model
+    and follows its order, and names it by its ``name``."""
+    class Alphabetical(LruEviction):
+        name = "alphabetical"
+
+        def key(self, m):
+            return (m,)
+    policy = Alphabetical()
+    assert make_eviction(policy, {}) is policy
+    s = _big_and_small(policy, 1, 1, small_first=True)   # small used first: LRU's victim
+    assert s.eviction == "alphabetical" and set(policy._last_used) == {"big", "small", "new"}
+    assert victims(s, "new", 0.2) == ["big"]
+
+
 def test_make_scheduler_passes_the_eviction_policy():
     from computron import messages as msg
     from computron.budget import make_scheduler
