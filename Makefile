@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.computron-installed
 # would download a multi-GB CUDA build. colossalai only provides the `colossalai run` launcher:
 # installed without its pins (they would replace torch and transformers), plus what its CLI needs.
 TORCH       := torch==2.13.0
-DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout psutil \
+DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout pytest-xdist psutil \
                fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]" peft \
                "ray>=2.40"
 LAUNCHER    := colossalai==0.5.0
@@ -28,8 +28,10 @@ $(STAMP): setup.py Makefile
 demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` on them, asks through `openai`
 	$(PY) examples/serve/demo.py --tp 2 --max-loaded 1
 
+# Two pytest workers, each taking whole files (their module fixtures are built once): most tests wait on
+# processes they start (in one process the suite kept 0.83 of one core busy); a third worker gained little.
 test: setup browser
-	$(PY) -m pytest -q --timeout 900 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --timeout 900 tests
 
 test-unit: setup  # seconds: the tests that start no process (tests/unit; also `pytest -m unit`)
 	$(PY) -m pytest -q --timeout 120 tests/unit

@@ -12,7 +12,8 @@ setup(
                       "fastapi", "uvicorn", "prometheus_client", "pillow", "peft"],
     extras_require={
         "experiments": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "psutil", "openai", "httpx", "selenium", "tritonclient[http]"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "psutil", "openai", "httpx", "selenium",
+                 "tritonclient[http]"],
         "launcher": ["psutil", "click", "fabric"],
         "ray": ["ray>=2.40"],
     },
