@@ -11,7 +11,7 @@ on forwards as on loads, and two engines side by side saturate it. There are 24 
 and 12 small (a fleet with more small models than large ones): with several models of each size class an
 eviction policy has choices to make, where with 2 large models of which only one fits (the former 8-model
 default) they evict each other whatever the policy. ``residency_sim.py`` replays this trace through the
-real scheduler on a simulated clock (seconds a run; ``--seeds 0-9`` for the spread over seeds): on it, the
+real scheduler on a simulated clock (seconds a run; ``--seeds 0-19`` for the spread over seeds): on it, the
 24 models give ``cost`` 0.87 of LRU's bytes and 0.95 of its p99 TTFT (medians over 20 seeds), the 8 models
 0.93 and 0.99; with ``--bounds``, even an offline policy that knows every future arrival (Belady) meets both
 targets on only 10 of 20 seeds (medians 0.53 and 0.80), so the targets measure the policy against a bound
