@@ -84,8 +84,9 @@ def requests(trace, seed: int, mean_tokens: float, cap: int, prompt_range) -> Li
 
 class RatesKnown(LruEviction):
     """Bound: the models ranked by their true request rates (what ``cost`` has to estimate), the lowest rate
-    leaving first; spares unneeded victims as ``cost`` does. Under stationary arrivals this is the best fixed
-    ranking: what ``cost`` would do if it knew the rates from the start."""
+    leaving first; spares unneeded victims as ``cost`` does. Under Poisson arrivals the rates are all that the
+    past tells about the future, so this is what an online policy can hope for at best: ``cost`` with the
+    rates known from the start instead of estimated."""
 
     name = "rates"
     spare_unneeded = True
