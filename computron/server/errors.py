@@ -3,8 +3,8 @@
 OpenAI's routes answer ``{"error": {"message", "type", "param", "code"}}`` (``APIError``); the Open
 Inference Protocol under ``/v2`` answers ``{"error": "message"}`` (``V2Error``). ``ERROR_TABLE`` maps each
 engine error (``computron.errors``), the chat-template error, and the errors of a model added while serving
-(a bad config or LoRA adapter: 400; a change of an id under way: 409; a build that failed: 500) to its
-status, OpenAI type and code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read
+(a bad config or LoRA adapter: 400; a change of an id under way: 409; a build that failed: 500), and a
+client that went away (499, which no one reads but the metrics and the log) to its status, OpenAI type and code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read
 it, and either shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's
 answer has it as ``param`` (in the client's name of it: ``prompt`` for the engine's ``input_ids``) and its
 reason without the engine's ``model 'x': malformed request:`` prefix; v2's answer says ``input 'x': reason``
@@ -53,6 +53,11 @@ class V2Error(Exception):
         return {"error": self.message}
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready: before its body was read, or while its work
+    ran (counted as 499)."""
+
+
 def bad(param: Optional[str], message: str) -> APIError:
     """400 for a bad request field (``param``: OpenAI's name of it, None for the body as a whole)."""
     return APIError(400, message, "invalid_request_error", param, "invalid_value")
@@ -87,6 +92,7 @@ ERROR_TABLE: Tuple[Tuple[type, ErrorKind], ...] = (
     (AdapterError, ErrorKind(400, "invalid_request_error", "invalid_adapter")),
     (ModelConflictError, ErrorKind(409, "invalid_request_error", "model_conflict")),
     (ModelChangeError, ErrorKind(500, "server_error", "model_load_failed")),
+    (ClientGone, ErrorKind(499, "invalid_request_error", "client_closed_request")),
 )
 """Engine, text and model-change errors, first match wins."""
 

@@ -1,6 +1,6 @@
 """HTTP plumbing the routers share: JSON in and out, server-sent events, clients that go away.
 
-One JSON body reader (``read_json``: 400 when the body is not JSON), one JSON writer
+One body reader (``read_body``; ``read_json``: 400 when the body is not JSON), one JSON writer
 (``json_response``: compact UTF-8; ``error_response`` for an ``APIError`` or ``V2Error``), the
 event-stream answer (``sse``, ``sse_response``), and ``unless_disconnected``, which awaits a
 request's work in the route's own task and cancels it, raising ``ClientGone``, when the client
@@ -15,7 +15,9 @@ from typing import Any, AsyncIterator, Awaitable, Dict, Optional, TypeVar, Union
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from .errors import APIError, V2Error, bad
+from starlette.requests import ClientDisconnect
+
+from .errors import APIError, ClientGone, V2Error, bad
 
 T = TypeVar("T")
 
@@ -23,10 +25,6 @@ dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 SSE_DONE = b"data: [DONE]\n\n"
 """The last event of every OpenAI stream, after its answer or its error."""
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready (counted as 499)."""
 
 
 def json_response(body: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
@@ -37,9 +35,18 @@ def error_response(err: Union[APIError, V2Error]) -> Response:
     return json_response(err.body(), err.status, err.headers)
 
 
+async def read_body(request: Request) -> bytes:
+    """The request's body; ``ClientGone`` when the client closed its connection first. (The server may
+    read a body late, once the client has given up: uvicorn then answers a disconnect, not the bytes.)"""
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
+
+
 async def read_json(request: Request) -> Any:
     """The request's JSON body; 400 (``APIError``, which ``to_v2`` turns into v2's shape) when it is not JSON."""
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         return json.loads(raw)
     except ValueError as exc:

@@ -343,7 +343,9 @@ def test_client_disconnect_frees_the_sequence(server, http, stream):
         if snap["running"] == 0 and snap["waiting"] == 0 and done == 1 + metric(
                 before, "computron_requests_total", model="m1", endpoint="completions", outcome="cancelled"):
             break
-        assert time.monotonic() < deadline, snap
+        assert time.monotonic() < deadline, (snap["running"], snap["waiting"], {
+            dict(k[1])["outcome"]: v - before.get(k, 0.0) for k, v in after.items()
+            if k[0] == "computron_requests_total" and dict(k[1]).get("model") == "m1"})
         time.sleep(0.05)  # bounded wait for the cancellation to reach the engine
     steps = metric(after, "computron_steps_total", model="m1") - steps0
     assert steps < 750, f"{steps} decode steps: the sequence ran on after the client left"
@@ -438,6 +440,47 @@ def test_engine_error_statuses_and_mid_stream_error_event(ckpts):
         engine.dead = "engine is dead: worker rank 1 exited unexpectedly"
         assert httpx.get(url + "/health").status_code == 503
         _check_error(httpx.post(url + "/v1/completions", json=body), 503, code="engine_dead")
+
+
+async def _asgi(app, method, path, body=b"", gone=False):
+    """One request straight into the ASGI app; ``gone``: the client closed its connection before the server
+    read its body (uvicorn then answers the app's first read with a disconnect). Returns (status, body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "root_path": "", "scheme": "http", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    sent = [{"type": "http.disconnect"}] if gone else [{"type": "http.request", "body": body, "more_body": False}]
+    answer = {"status": None, "body": b""}
+
+    async def receive():
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            answer["body"] += message.get("body", b"")
+    await app(scope, receive, send)
+    return answer["status"], answer["body"]
+
+
+def test_a_client_gone_before_its_body_is_read_is_a_499_that_reaches_no_engine(ckpts):
+    engine = StubEngine()
+    engine.error = AssertionError("the engine was asked for a request whose client had gone")
+    app = create_app(engine, {"s0": ModelText("s0", ckpts["m0"])}, ServerSettings())
+
+    async def scenario():
+        body = json.dumps({"model": "s0", "prompt": "hi", "max_tokens": 2}).encode()
+        assert (await _asgi(app, "POST", "/v1/completions", body))[0] == 500  # the engine's error is reached...
+        for path in ("/v1/completions", "/v1/chat/completions", "/v2/models/s0/infer", "/v2/repository/index"):
+            assert (await _asgi(app, "POST", path, body, gone=True))[0] == 499, path  # ...not when gone
+        return (await _asgi(app, "GET", "/metrics"))[1].decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(asyncio.run(scenario())) for s in fam.samples}
+    assert metric(samples, "computron_requests_total", model="s0", endpoint="completions", outcome="error") == 1
+    cancelled = {dict(k[1])["endpoint"]: v for k, v in samples.items()
+                 if k[0] == "computron_requests_total" and dict(k[1]).get("outcome") == "cancelled"}
+    assert cancelled == {"completions": 1, "chat": 1, "v2_infer": 1}
 
 
 # ---- lifecycle: their own servers --------------------------------------------------------------------

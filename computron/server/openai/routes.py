@@ -24,8 +24,8 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ..errors import APIError, bad, to_openai
-from ..http import SSE_DONE, ClientGone, json_response, read_json, sse, sse_response, unless_disconnected
+from ..errors import APIError, ClientGone, bad, to_openai
+from ..http import SSE_DONE, json_response, read_json, sse, sse_response, unless_disconnected
 from ..model_kind import ModelKind
 from ..residency import Residency
 from ..state import Call, ServedModel, ServerState, api_key, served_state

@@ -24,7 +24,7 @@ from typing import Any, Dict
 from fastapi import APIRouter, Depends, Request
 
 from ..errors import V2Error
-from ..http import json_response
+from ..http import json_response, read_body
 from ..state import ServerState, api_key, served_state
 
 router = APIRouter()
@@ -35,7 +35,7 @@ EXTENSION = "model_repository"
 
 async def _body(request: Request) -> Dict[str, Any]:
     """The JSON object of the request; {} for an empty body (tritonclient's index sends none)."""
-    raw = await request.body()
+    raw = await read_body(request)
     if not raw.strip():
         return {}
     try:

@@ -19,8 +19,8 @@ from typing import Optional
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ..errors import V2Error, to_v2
-from ..http import ClientGone, json_response, read_json
+from ..errors import ClientGone, V2Error, to_v2
+from ..http import json_response, read_json
 from ..model_kind import ModelKind
 from ..state import Call, ServedModel, ServerState, api_key, served_state
 from .protocol import encode_outputs, parse_infer
