@@ -568,14 +568,15 @@ def test_an_error_found_after_the_fork_server_started_leaves_no_process(ckpts, t
     (its imports run meanwhile); a shape error found there ends the command with exit code 2 and takes
     the server with it, though it is still importing torch (else it would outlive the command by
     seconds, holding the command's stdout and stderr open)."""
-    t0 = time.time()
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"  # inherited by whatever the command starts, and by nothing else
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "computron", "serve", ckpts["m0"], "--tp", "3", "--port", "0"],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "COMPUTRON_TEST_TAG": tag})
         assert proc.wait(120) == 2
-    ours = {c.pid for c in psutil.Process().children(recursive=True)}  # the suite's own fork server
-    left = [p for p in psutil.process_iter(["cmdline", "create_time"]) if p.pid not in ours
-            and p.info["create_time"] >= t0 - 1 and "forkserver import main" in " ".join(p.info["cmdline"] or [])]
+    left = [p for p in psutil.process_iter(["cmdline", "environ"])
+            if (p.info["environ"] or {}).get("COMPUTRON_TEST_TAG") == tag
+            and "forkserver import main" in " ".join(p.info["cmdline"] or [])]
     assert not left, [(p.pid, p.info["cmdline"]) for p in left]
     stderr = (tmp_path / "stderr").read_text()
     assert "not divisible by tp_world_size=3" in stderr and stderr.count("\n") == 1, stderr
