@@ -4,11 +4,12 @@ OpenAI's routes answer ``{"error": {"message", "type", "param", "code"}}`` (``AP
 Inference Protocol under ``/v2`` answers ``{"error": "message"}`` (``V2Error``). ``ERROR_TABLE`` maps each
 engine error (``computron.errors``), the chat-template error, and the errors of a model added while serving
 (a bad config or LoRA adapter: 400; a change of an id under way: 409; a build that failed: 500), and a
-client that went away (499, which no one reads but the metrics and the log) to its status, OpenAI type and code, and a ``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read
-it, and either shape converts to the other. A ``PayloadError`` names the request field at fault: OpenAI's
-answer has it as ``param`` (in the client's name of it: ``prompt`` for the engine's ``input_ids``) and its
-reason without the engine's ``model 'x': malformed request:`` prefix; v2's answer says ``input 'x': reason``
-(``payload_message``). Anything else is a bug: logged, and answered 500 ``internal_error``.
+client that went away (499: read by no one but the metrics) to its status, OpenAI type and code, and a
+``Retry-After`` for a full queue; ``to_openai`` and ``to_v2`` both read it, and either shape converts to the
+other. A ``PayloadError`` names the request field at fault: OpenAI's answer has it as ``param`` (in the
+client's name of it: ``prompt`` for the engine's ``input_ids``) and its reason without the engine's
+``model 'x': malformed request:`` prefix; v2's answer says ``input 'x': reason`` (``payload_message``).
+Anything else is a bug: logged, and answered 500 ``internal_error``.
 
 Pure Python: ``app.py`` installs the handlers that answer FastAPI's own errors (404, 405, 422) and whatever
 a route raises in these shapes.

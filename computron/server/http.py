@@ -14,7 +14,6 @@ from typing import Any, AsyncIterator, Awaitable, Dict, Optional, TypeVar, Union
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-
 from starlette.requests import ClientDisconnect
 
 from .errors import APIError, ClientGone, V2Error, bad
