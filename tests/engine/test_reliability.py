@@ -19,6 +19,11 @@ from computron import (CausalLMBatchManager, EngineConfig, EngineDeadError, Laun
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(300)
 
+SLACK_S = 8.0
+"""What a deadline of the engine's may run late on a loaded 2-core machine (a starved thread wakes late):
+the bounds below are the engine's own deadline plus this, far below what would be reached without it
+(the defaults: 600 s for a command, the whole generation for a shutdown)."""
+
 BAD_PARAMETERS = [
     ("seed", "abc"), ("seed", 2 ** 70), ("seed", -1), ("seed", 1.5), ("seed", True),
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0), ("temperature", "hot"),
@@ -80,7 +85,7 @@ def test_stopped_worker_is_detected_by_heartbeat(checkpoints):
             with pytest.raises(EngineDeadError, match="rank 1 sent no heartbeat"):
                 async for _ in stream:
                     pass
-            assert time.monotonic() - t0 < 2.0 + 2.0
+            assert time.monotonic() - t0 < 2.0 + SLACK_S
             assert not engine.is_alive
             with pytest.raises(EngineDeadError, match="heartbeat"):
                 await engine.submit("lm", {"input_ids": [2]})
@@ -101,13 +106,13 @@ def test_forward_stuck_forever_is_detected(checkpoints):
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError, match="stuck"):
                 await asyncio.wait_for(engine.submit("lm", {"input_ids": [2, HANG_TOKEN], "max_tokens": 3}), 30)
-            assert time.monotonic() - t0 < 3.0 + 2.0
+            assert time.monotonic() - t0 < 3.0 + SLACK_S
             with pytest.raises(EngineDeadError):
                 engine.run()
         finally:
             t0 = time.monotonic()
             await engine.shutdown()
-            assert time.monotonic() - t0 < engine.config.shutdown_grace_s + 2
+            assert time.monotonic() - t0 < engine.config.shutdown_grace_s + SLACK_S
     asyncio.run(go())
 
 
@@ -133,9 +138,8 @@ if __name__ == "__main__":
     asyncio.run(main())
 """
 SIGTERM_GRACE_S = 3.0
-SIGTERM_SLACK_S = 9.0
-"""Beyond the grace, for the kill and the exit on a loaded machine; the whole generation takes over twice the
-bound (23 s on an idle core: 2000 tokens of an 8-layer model, no EOS among them), so waiting it out fails."""
+"""The whole generation takes twice the grace and the slack (23 s on an idle machine: 2000 tokens of an
+8-layer model, no EOS among them), so a shutdown that waited it out fails."""
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,7 @@ def test_sigterm_during_long_generation_is_bounded(slow_lm, tmp_path, mode):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen([sys.executable, str(script), slow_lm, mode, str(SIGTERM_GRACE_S)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    bound = SIGTERM_GRACE_S + SIGTERM_SLACK_S
+    bound = SIGTERM_GRACE_S + SLACK_S
     try:
         line = proc.stdout.readline()
         assert line.strip() == "GENERATING", line + proc.stderr.read()
