@@ -61,6 +61,12 @@ class EngineDeadError(ComputronError):
     """A worker died or the engine was shut down: no request can be served."""
 
 
+def worker_exit_reason(rank: int, exitcode: Optional[int]) -> str:
+    """A worker's death as the engine words it, whichever path notices first (the process's sentinel, or the
+    connection it broke), so the reason a caller sees does not depend on that race."""
+    return f"worker rank {rank} exited unexpectedly (exit code {exitcode})"
+
+
 class ModelConflictError(ComputronError, ValueError):
     """A change to the served models that collides with another: adding an id that is served, or changing
     one whose add, replace or removal is still under way."""

@@ -36,7 +36,7 @@ from . import preflight
 from .budget import check_memory
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
-from .errors import LaunchError
+from .errors import LaunchError, worker_exit_reason
 from .process_setup import adopt_environment, device_for, die_with_parent, free_port, setup_logging, threads_per_worker
 from .reply_router import ReplyRouter
 from .slice_reads import prefetch_startup
@@ -147,7 +147,7 @@ class _SpawnedWorkers:
         for p in self.procs:
             if p.sentinel in ready:
                 p.join(1)
-                return f"worker rank {self.first_rank + self.procs.index(p)} exited (exit code {p.exitcode})"
+                return worker_exit_reason(self.first_rank + self.procs.index(p), p.exitcode)
         return None
 
     def monitor(self, on_exit) -> None:

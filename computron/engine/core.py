@@ -33,7 +33,7 @@ from .. import messages as msg
 from .. import preflight
 from ..budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
-from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError
+from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
 from ..generation import CausalLMBatchManager, batch_manager_for
 from ..scheduler import ActionKind
 from ..sequences import TokenBatch, consume
@@ -362,7 +362,7 @@ class Engine(EngineViews, HostModelsControl):
 
     def on_worker_exit(self, rank: int, exitcode: Optional[int]) -> None:
         if not self._closed.is_set():
-            self._die(f"worker rank {rank} exited unexpectedly (exit code {exitcode})")
+            self._die(worker_exit_reason(rank, exitcode))
 
     def _die(self, reason: str) -> None:
         with self._lock:
