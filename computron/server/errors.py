@@ -95,7 +95,7 @@ ERROR_TABLE: Tuple[Tuple[type, ErrorKind], ...] = (
     (ModelChangeError, ErrorKind(500, "server_error", "model_load_failed")),
     (ClientGone, ErrorKind(499, "invalid_request_error", "client_closed_request")),
 )
-"""Engine, text and model-change errors, first match wins."""
+"""Engine, text and model-change errors, and a client gone; first match wins."""
 
 
 def error_kind(exc: BaseException) -> Optional[ErrorKind]:

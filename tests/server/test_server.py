@@ -116,12 +116,13 @@ def sse_events(lines):
 
 
 def metrics(url):
-    text = httpx.get(url + "/metrics", timeout=30).text
-    samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+    return parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def parse_metrics(text):
+    """Prometheus text as {(name, sorted label items): value}."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def metric(samples, name, **labels):
@@ -475,8 +476,7 @@ def test_a_client_gone_before_its_body_is_read_is_a_499_that_reaches_no_engine(c
         for path in ("/v1/completions", "/v1/chat/completions", "/v2/models/s0/infer", "/v2/repository/index"):
             assert (await _asgi(app, "POST", path, body, gone=True))[0] == 499, path  # ...not when gone
         return (await _asgi(app, "GET", "/metrics"))[1].decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(asyncio.run(scenario())) for s in fam.samples}
+    samples = parse_metrics(asyncio.run(scenario()))
     assert metric(samples, "computron_requests_total", model="s0", endpoint="completions", outcome="error") == 1
     cancelled = {dict(k[1])["endpoint"]: v for k, v in samples.items()
                  if k[0] == "computron_requests_total" and dict(k[1]).get("outcome") == "cancelled"}
