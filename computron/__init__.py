@@ -19,7 +19,8 @@ _EXPORTS = {
     ".launch": ("LaunchEngine", "launch_computron"),
     ".metrics": ("BatchRecord", "RequestRecord", "SwapRecord"),
     ".scheduler": ("ModelState", "Scheduler"),
-    ".understanding": ("TextClassificationBatchManager", "EmbeddingBatchManager", "ImageClassificationBatchManager"),
+    ".images": ("ImageClassificationBatchManager",),
+    ".understanding": ("TextClassificationBatchManager", "EmbeddingBatchManager"),
 }
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from ._torch_compat import (direct_tensor, direct_tensors, local_shape_and_offset, local_tensor, map_tensors,
                             set_parameter)
-from .loading import DTYPES, architecture_class, loader_checkpoint, torch_dtype
+from .loading import DTYPES, architecture_class, torch_dtype
 
 log = logging.getLogger("computron.checkpoint")
 
@@ -56,20 +56,6 @@ class Unsupported(Exception):
 
 
 # ---- where a model's checkpoint is --------------------------------------------------------------
-
-
-def checkpoint_of(model_config) -> Optional[Tuple[str, Optional[str]]]:
-    """``(directory, dtype name or None)`` when the model's weights come from a local checkpoint, else None.
-
-    ``ModelConfig.checkpoint`` names the directory; the dtype is the one its ``model_fn`` is asked for
-    when that is a loader of ``loading`` (else None: the checkpoint's own). A config without
-    ``checkpoint`` whose ``model_fn`` is such a loader is read from the loader's ``path``.
-    """
-    loader = loader_checkpoint(model_config.model_fn, model_config.model_kwargs or {})
-    ck = getattr(model_config, "checkpoint", None)
-    if ck is not None:
-        return str(ck), loader[1] if loader is not None else None
-    return loader
 
 
 def weight_files(path: str) -> List[str]:
@@ -336,24 +322,6 @@ class CheckpointSource:
     def plan(self, slots) -> List[Tuple["object", Read]]:
         return [(s, self.reads[id(s.tensor)]) for s in slots]
 
-    # ---- the reading itself (``slice_reads``) -----------------------------
-    def open(self):
-        """Re-read the headers (a file may have been rewritten since start-up) and check every file
-        is long enough: a missing or truncated file fails here, naming the model and the file."""
-        entries = {}
-        for file in self.sizes:  # the files found at start-up
-            try:
-                have = os.path.getsize(file)
-            except FileNotFoundError:
-                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} does not exist") from None
-            found, need = read_header(file, self.model_id)
-            entries.update(found)
-            if have < need:
-                raise CheckpointError(f"model {self.model_id!r}: checkpoint file {file!r} is truncated "
-                                      f"({have} bytes, its header needs {need})")
-        from .slice_reads import Reader
-        return Reader(self.model_id, entries)
 
-
-__all__ = ["CheckpointError", "CheckpointSource", "Unsupported", "checkpoint_of", "meta_model", "read_header",
+__all__ = ["CheckpointError", "CheckpointSource", "Unsupported", "meta_model", "read_header",
            "read_entries", "weight_files", "params_on_meta", "materialize"]

@@ -20,7 +20,7 @@ import torch
 
 from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
-from .understanding import _check_int, _labels, _load_config, _top_k, prepared
+from .batching.common import check_int, labels_of, load_config, prepared, top_labels
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ImageClassificationBatchManager(BatchManager):
                  max_image_bytes: int = 32 << 20):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r}: must be an int >= 1")
-        self.labels = _labels(id2label, num_labels)
+        self.labels = labels_of(id2label, num_labels)
         h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         self.shape = (int(num_channels), int(h), int(w))
         self.processor = processor
@@ -54,7 +54,7 @@ class ImageClassificationBatchManager(BatchManager):
     def for_checkpoint(cls, path: str, max_batch_size: int = 8, **kw) -> "ImageClassificationBatchManager":
         """Labels and image size from ``config.json``; the image processor from ``preprocessor_config.json``
         (requests with ``image`` bytes need it; without one only ``pixel_values`` are taken)."""
-        config = _load_config(path)
+        config = load_config(path)
         archs = config.architectures or []
         if not any(a.endswith("ForImageClassification") for a in archs):
             raise ValueError(f"checkpoint {path!r}: config.architectures={archs!r} has no image "
@@ -113,7 +113,7 @@ class ImageClassificationBatchManager(BatchManager):
             raise PayloadError(f"unknown request fields {sorted(unknown)}", sorted(unknown)[0])
         if ("pixel_values" in data) == ("image" in data):
             raise PayloadError("exactly one of 'pixel_values' and 'image' is required")
-        _check_int(data, "top_k")
+        check_int(data, "top_k")
         top_k = int(data.get("top_k", self.default_top_k))
         if "pixel_values" in data:
             return PreparedImage(self._pixels(data["pixel_values"]), top_k)
@@ -155,7 +155,7 @@ class ImageClassificationBatchManager(BatchManager):
 
     def split_batch(self, task_entry: TaskEntry, top_k: Sequence[int] = (), **_) -> List[Tuple[Hashable, Any]]:
         logits = task_entry.batch["logits"]
-        return [(uid, _top_k(logits[i], self.labels, top_k[i] if top_k else self.default_top_k,
+        return [(uid, top_labels(logits[i], self.labels, top_k[i] if top_k else self.default_top_k,
                              self.problem_type))
                 for i, uid in enumerate(task_entry.uids)]
 

@@ -4,7 +4,7 @@ Every fact here has one home: the dtype names a checkpoint may be loaded in
 (``DTYPES``, also the server's ``--dtype`` choices), the files that make a
 directory hold a tokenizer (``TOKENIZER_FILES``), and which of these loaders
 read a checkpoint directory named by their ``path`` argument
-(``loader_checkpoint``, what ``checkpoint.checkpoint_of`` reads slice by slice).
+(``loader_checkpoint``; ``checkpoint_of`` adds ``ModelConfig.checkpoint``: what ``checkpoint`` reads slice by slice).
 Nothing is downloaded: every loader passes ``local_files_only``.
 
 The random-weight fixtures that write such checkpoints live in
@@ -108,5 +108,43 @@ def loader_checkpoint(model_fn: Callable, kwargs: Dict[str, Any]) -> Optional[Tu
     return os.fspath(kwargs["path"]), kwargs.get("dtype")
 
 
+ConfigOf = Callable[[Dict[str, Any]], Optional[Tuple[Dict[str, Any], str]]]
+_MODEL_FNS: Dict[Callable, Tuple[Optional[ConfigOf], bool]] = {load_causal_lm: (None, True)}
+
+
+def describe_model_fn(model_fn: Callable, config_of: Optional[ConfigOf] = None, dtype_arg: bool = False) -> None:
+    """Tell the preflight what ``model_fn`` builds without calling it: ``config_of(model_kwargs)`` gives
+    ``(its transformers config as a dict, a phrase naming where it comes from)`` or None when those kwargs
+    are not understood; ``dtype_arg``: its ``dtype`` argument takes the names of ``DTYPES``. Model
+    factories outside this module (the random-weight fixtures of ``computron.testing``) register here."""
+    _MODEL_FNS[model_fn] = (config_of, dtype_arg)
+
+
+def described_config(model_fn: Callable, kwargs: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], str]]:
+    """``describe_model_fn``'s ``config_of`` of ``model_fn`` applied to ``kwargs`` (None when not known)."""
+    config_of = _MODEL_FNS.get(model_fn, (None, False))[0]
+    return config_of(kwargs) if config_of is not None else None
+
+
+def takes_dtype_name(model_fn: Callable) -> bool:
+    """Whether ``model_fn``'s ``dtype`` argument is one of ``DTYPES`` (``describe_model_fn``)."""
+    return _MODEL_FNS.get(model_fn, (None, False))[1]
+
+
+def checkpoint_of(model_config) -> Optional[Tuple[str, Optional[str]]]:
+    """``(directory, dtype name or None)`` when the model's weights come from a local checkpoint, else None.
+
+    ``ModelConfig.checkpoint`` names the directory; the dtype is the one its ``model_fn`` is asked for
+    when that is a loader of ``loading`` (else None: the checkpoint's own). A config without
+    ``checkpoint`` whose ``model_fn`` is such a loader is read from the loader's ``path``.
+    """
+    loader = loader_checkpoint(model_config.model_fn, model_config.model_kwargs or {})
+    ck = getattr(model_config, "checkpoint", None)
+    if ck is not None:
+        return str(ck), loader[1] if loader is not None else None
+    return loader
+
+
 __all__ = ["DTYPES", "TOKENIZER_FILES", "torch_dtype", "checkpoint_dtype", "has_tokenizer", "architecture_class",
-           "load_causal_lm", "load_encoder", "CHECKPOINT_LOADERS", "loader_checkpoint"]
+           "load_causal_lm", "load_encoder", "CHECKPOINT_LOADERS", "loader_checkpoint", "checkpoint_of",
+           "describe_model_fn", "described_config", "takes_dtype_name"]

@@ -11,9 +11,9 @@ instead of later as a worker's traceback:
 - a causal-LM loader pointed at an architecture the engine cannot shard (the
   checkpoint's ``config.json`` ``model_type``);
 - attention heads, key/value heads, hidden or FFN sizes not divisible by the
-  TP degree, fewer layers than pipeline stages (from ``config.json``, or the
-  named shape of the fixture ``testing.zoo.random_causal_lm``);
-- a ``dtype`` argument of ``load_causal_lm`` or ``random_causal_lm`` outside ``loading.DTYPES``;
+  TP degree, fewer layers than pipeline stages (from ``config.json``, or what a
+  ``model_fn`` registered with ``loading.describe_model_fn`` says it builds);
+- a ``dtype`` argument of ``load_causal_lm`` (or a registered ``model_fn``) outside ``loading.DTYPES``;
 - ``device='cuda'`` / ``backend='nccl'`` without CUDA, or fewer GPUs than workers on this node;
 - a fixed ``master_port`` already in use (spawn mode, the node that hosts the rendezvous);
   ``reserve_port`` does the same for a server's HTTP port (``computron serve``), and holds it;
@@ -83,8 +83,7 @@ def check_adapters(config: EngineConfig, adapters: List[ModelConfig], models: Li
         if mc.base not in by_id:
             raise PreflightError(f"adapter {mc.model_id!r}: its base {mc.base!r} is not among the models "
                                  f"served ({sorted(by_id)})")
-        from .engine.adapters import check_adapter_config
-        from .lora.adapter import AdapterError
+        from .lora.adapter import AdapterError, check_adapter_config
         try:
             check_adapter_config(mc, by_id[mc.base], config.max_lora_rank)
         except AdapterError as exc:
@@ -221,8 +220,7 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
     causal_loader = False
     source = ""
     cls = _from_pretrained_class(fn)
-    from .loading import DTYPES, load_causal_lm
-    from .testing import zoo
+    from .loading import DTYPES, described_config, load_causal_lm, takes_dtype_name
     if fn is load_causal_lm:
         causal_loader = True
         if "path" not in kw:
@@ -240,15 +238,14 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
                 hf_cfg = _read_config(mid, key, _check_dir(mid, key, path))
                 source = f"checkpoint {path!r}"
     else:
-        if fn is zoo.random_causal_lm and kw.get("name") in zoo.OPT_SHAPES.keys() | zoo.LLAMA_SHAPES.keys():
-            hf_cfg = zoo.hf_config(kw["name"], **{k: kw[k] for k in ("vocab_size", "max_positions") if k in kw}
-                                   ).to_dict()
-            source = f"shape {kw['name']!r}"
+        described = described_config(fn, kw)
+        if described is not None:
+            hf_cfg, source = described
         for key in _PATH_KEYS:  # any model_fn: a path argument that names nothing fails here, not on a worker
             v = kw.get(key)
             if isinstance(v, (str, os.PathLike)) and not os.path.exists(os.path.expanduser(os.fspath(v))):
                 raise PreflightError(f"model {mid!r}: model_kwargs[{key!r}]={os.fspath(v)!r} does not exist")
-    if fn in (load_causal_lm, zoo.random_causal_lm) and kw.get("dtype") is not None and kw["dtype"] not in DTYPES:
+    if takes_dtype_name(fn) and kw.get("dtype") is not None and kw["dtype"] not in DTYPES:
         raise PreflightError(f"model {mid!r}: model_kwargs['dtype']={kw['dtype']!r}: must be one of "
                              f"{sorted(DTYPES)} or None")
     if hf_cfg is None:

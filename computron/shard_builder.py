@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .loading import checkpoint_of
 from .models import StageContext, make_runner
 from .models.base import StageRunner
 from .niceness import lower_this_thread
@@ -69,7 +70,7 @@ class ShardBuilder:
 
     def build(self, mid: str, mc: ModelConfig, host_room: Callable[[int], bool],
               while_serving: bool = False) -> BuiltShard:
-        """A model with a local safetensors checkpoint (``checkpoint.checkpoint_of``) is built on the meta
+        """A model with a local safetensors checkpoint (``loading.checkpoint_of``) is built on the meta
         device and only this rank's slices are read, into host memory when ``host_room(bytes)`` says they
         fit, else left on disk until its first load; any other model is built in full by its ``model_fn``
         and cut down."""
@@ -106,7 +107,7 @@ class ShardBuilder:
     def _from_checkpoint(self, mid: str, mc: ModelConfig, ctx: StageContext):
         """(runner, source) built from checkpoint slices, or (None, None) to use model_fn."""
         from . import checkpoint as ck
-        where = ck.checkpoint_of(mc)
+        where = checkpoint_of(mc)
         if where is None or self.config.paper_mode:
             return None, None
         path, dtype = where

@@ -18,7 +18,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import CheckpointError, CheckpointSource, Entry, Read
+from .checkpoint import CheckpointError, CheckpointSource, Entry, Read, Unsupported, read_header, weight_files
+from .loading import checkpoint_of
 
 CHUNK_BYTES = 64 << 20
 """The scratch buffer of a read that converts dtypes."""
@@ -211,6 +212,24 @@ def _coalesce(runs, discard: memoryview) -> List[_Request]:
     return out
 
 
+def open_reader(source: CheckpointSource) -> "Reader":
+    """A reader of ``source``'s files, their headers read again (a file may have been rewritten since
+    start-up) and each checked to be long enough: a missing or truncated file fails here, naming the
+    model and the file."""
+    entries = {}
+    for file in source.sizes:  # the files found at start-up
+        try:
+            have = os.path.getsize(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"model {source.model_id!r}: checkpoint file {file!r} does not exist") from None
+        found, need = read_header(file, source.model_id)
+        entries.update(found)
+        if have < need:
+            raise CheckpointError(f"model {source.model_id!r}: checkpoint file {file!r} is truncated "
+                                  f"({have} bytes, its header needs {need})")
+    return Reader(source.model_id, entries)
+
+
 def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch.Tensor],
                   n_segments: int = 0, on_segment=None, threads: Optional[int] = None) -> Tuple[float, int]:
     """Read every slot into ``host``, calling ``on_segment(i)`` as each segment ``i`` is complete
@@ -223,7 +242,7 @@ def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch
     t0 = time.perf_counter()
     plan = source.plan(slots)
     n_segments = max(n_segments, max((s.segment for s, _ in plan), default=-1) + 1)
-    with source.open() as reader:
+    with open_reader(source) as reader:
         discard = memoryview(bytearray(GAP_BYTES))
         runs: Dict[int, list] = {}
         by_segment: Dict[int, list] = {}  # _Request, _Rows, or (Read, dest, name) for a converting read
@@ -303,7 +322,7 @@ def read_spans(source: CheckpointSource, slots) -> List[Tuple[str, int, int, Lis
     ``GAP_BYTES`` apart merged as ``read_segments`` merges them; ``pieces`` are the slices' bytes inside
     ``[begin, end)`` as ``(first, run, stride, count)``: ``count`` runs of ``run`` bytes, ``stride`` apart."""
     runs = []
-    with source.open() as reader:
+    with open_reader(source) as reader:
         for s, r in source.plan(slots):
             if r.key is not None:
                 e, first, run, row, count = reader._runs(r, s.name)
@@ -325,7 +344,6 @@ def prefetch_startup(model_configs, host_budget: Optional[int], n_workers: int, 
     disk would sit idle): the files of the models read slice-wise, in order, as long as their bytes over
     ``n_workers`` fit in ``host_budget``, at most half the memory available. Returns the thread that asks
     (None when there is nothing to ask for)."""
-    from .checkpoint import Unsupported, checkpoint_of, weight_files
     if paper_mode:
         return None
     files, total, per_rank = [], 0, 0
@@ -378,4 +396,4 @@ def _available_memory() -> int:
         return 0
 
 
-__all__ = ["Reader", "read_segments", "read_spans", "prefetch_startup"]
+__all__ = ["Reader", "open_reader", "read_segments", "read_spans", "prefetch_startup"]

@@ -41,49 +41,9 @@ from .batch import BatchManager, SubmitEntry, TaskEntry
 from .errors import PayloadError
 from .loading import has_tokenizer
 from .validation import POOLINGS, int_list
+from .batching.common import check_int, labels_of, load_config, prepared, top_labels
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
-
-
-def _check_int(data: Dict[str, Any], key: str, lo: int = 1) -> None:
-    v = data.get(key)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-        raise PayloadError(f"{key}={v!r}: must be an int >= {lo}", key)
-
-
-def _labels(id2label: Optional[Dict[Any, str]], n: Optional[int]) -> List[str]:
-    """The label names of a classifier head of ``n`` outputs (``n`` defaults to ``len(id2label)``)."""
-    if n is None:
-        n = len(id2label) if id2label else None
-    if not n:
-        raise ValueError("num_labels: give id2label or num_labels")
-    id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
-    return [id2label.get(i, f"LABEL_{i}") for i in range(n)]
-
-
-def _scores(logits: torch.Tensor, problem_type: Optional[str]) -> torch.Tensor:
-    if logits.shape[-1] == 1 or problem_type == "regression":
-        return logits
-    if problem_type == "multi_label_classification":
-        return logits.sigmoid()
-    return logits.softmax(-1)
-
-
-def _top_k(logits: torch.Tensor, labels: List[str], k: int, problem_type: Optional[str]) -> Dict[str, Any]:
-    """One classification answer: the ``k`` best labels with scores, best first, and the raw logits."""
-    scores = _scores(logits.float(), problem_type)
-    k = max(1, min(int(k), scores.shape[-1]))
-    vals, idx = torch.topk(scores, k)
-    best = [{"label": labels[int(i)], "score": float(v)} for v, i in zip(vals.tolist(), idx.tolist())]
-    return {"label": best[0]["label"], "score": best[0]["score"], "labels": best,
-            "logits": [float(x) for x in logits.tolist()]}
-
-
-def _load_config(path: str):
-    from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"checkpoint {path!r} has no config.json")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def _position_limit(config) -> Optional[int]:
@@ -105,12 +65,6 @@ class PreparedText:
     token_type_ids: Optional[List[int]]
     fields: Dict[str, Any]
     from_text: bool
-
-
-def prepared(manager: BatchManager, data: Any, kind: type) -> Any:
-    """``data`` as ``manager.prepare`` makes it (requests reach ``make_batch`` prepared by the engine;
-    this also takes raw ones, as a caller of ``make_batch`` may pass)."""
-    return data if isinstance(data, kind) else manager.prepare(data)
 
 
 class _TextBatching(BatchManager):
@@ -260,7 +214,7 @@ class TextClassificationBatchManager(_TextBatching):
         super().__init__(**kw)
         if task not in ("sequence", "token"):
             raise ValueError(f"task={task!r}: must be 'sequence' or 'token'")
-        self.labels = _labels(id2label, num_labels)
+        self.labels = labels_of(id2label, num_labels)
         self.task = task
         self.problem_type = problem_type
         self.default_top_k = default_top_k
@@ -269,7 +223,7 @@ class TextClassificationBatchManager(_TextBatching):
     def for_checkpoint(cls, path: str, max_batch_size: int = 8, max_length: Optional[int] = None,
                        **kw) -> "TextClassificationBatchManager":
         """Labels, task (from ``config.architectures``), pad id, limits and tokenizer of a local checkpoint."""
-        config = _load_config(path)
+        config = load_config(path)
         archs = config.architectures or []
         if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
             raise ValueError(f"checkpoint {path!r}: config.architectures={archs!r} has no sequence or token "
@@ -280,7 +234,7 @@ class TextClassificationBatchManager(_TextBatching):
                    **cls._text_kwargs(path, config, max_batch_size, max_length), **kw)
 
     def _validate_extra(self, data: Dict[str, Any]) -> None:
-        _check_int(data, "top_k")
+        check_int(data, "top_k")
 
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         taken = self._take(q)
@@ -297,7 +251,7 @@ class TextClassificationBatchManager(_TextBatching):
         out = []
         for i, uid in enumerate(task_entry.uids):
             if self.task == "sequence":
-                out.append((uid, _top_k(logits[i], self.labels, top_k[i] if top_k else 1, self.problem_type)))
+                out.append((uid, top_labels(logits[i], self.labels, top_k[i] if top_k else 1, self.problem_type)))
                 continue
             row = logits[i, :lengths[i]] if lengths else logits[i]
             scores = _scores(row.float(), self.problem_type)
@@ -327,7 +281,7 @@ class EmbeddingBatchManager(_TextBatching):
     @classmethod
     def for_checkpoint(cls, path: str, pooling: str = "mean", max_batch_size: int = 8,
                        max_length: Optional[int] = None, **kw) -> "EmbeddingBatchManager":
-        config = _load_config(path)
+        config = load_config(path)
         return cls(pooling=pooling, **cls._text_kwargs(path, config, max_batch_size, max_length), **kw)
 
     def _validate_extra(self, data: Dict[str, Any]) -> None:
@@ -358,7 +312,4 @@ class EmbeddingBatchManager(_TextBatching):
         return out
 
 
-from .images import ImageClassificationBatchManager  # noqa: E402 - the image manager's old home
-
-__all__ = ["PreparedText", "TextClassificationBatchManager", "EmbeddingBatchManager",
-           "ImageClassificationBatchManager"]
+__all__ = ["PreparedText", "TextClassificationBatchManager", "EmbeddingBatchManager"]

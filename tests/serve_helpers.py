@@ -15,7 +15,7 @@ import yaml
 
 from computron import tokenizer_zoo
 from computron.engine import EngineSnapshot, ModelSnapshot
-from computron.server.engine_client import EngineClient
+from computron.engine.protocol import EngineClient
 from helpers import is_multiprocessing_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ..engine.telemetry import EngineSnapshot, ModelSnapshot
+from ..engine.protocol import ClusterModelSnapshot, ClusterSnapshot, EngineSnapshot, ModelSnapshot
 from ..errors import EngineDeadError
 from .groups import GroupUpdate
 
@@ -34,25 +34,6 @@ def short_error(exc: BaseException) -> str:
     """An exception's type and first line (Ray's own messages run to dozens of lines)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-@dataclass(frozen=True)
-class ClusterModelSnapshot(ModelSnapshot):
-    groups: Dict[int, str] = field(default_factory=dict)
-    """Each alive group serving the model -> its state there ('loaded', 'loading', ...)."""
-
-
-@dataclass(frozen=True)
-class ClusterSnapshot(EngineSnapshot):
-    """The groups' snapshots merged per model (best state, summed queues), and each group's own."""
-    groups: Dict[int, EngineSnapshot] = field(default_factory=dict)
-    """Each group's last pushed snapshot (a group that is down: ``alive`` False, ``dead_reason`` why)."""
-    restarts: Dict[int, int] = field(default_factory=dict)
-    """How often Ray restarted each group."""
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {**super().to_dict(), "groups": {i: g.to_dict() for i, g in self.groups.items()},
-                "restarts": dict(self.restarts)}
 
 
 def add_counters(a: Dict[str, Dict], b: Dict[str, Dict]) -> Dict[str, Dict]:

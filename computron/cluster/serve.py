@@ -1,8 +1,9 @@
-"""``computron serve --ray --groups N [--ray-address ADDR]``: the same HTTP server over engine groups on Ray.
+"""Engine groups on Ray, started for ``computron serve --ray --groups N [--ray-address ADDR]`` or a program.
 
     init_ray(address)          join a running cluster (``ray start --head`` elsewhere), or start a local one
     start_cluster(...)         N ``EngineGroup`` actors (``groups.py``) + a router + the ``ClusterEngine``
-    serve_cluster(cfg, ...)    all of it, then ``create_app`` over the ``ClusterEngine``, until a signal
+
+``server.cli.serve_cluster`` serves HTTP over the started ``ClusterEngine``.
 
 Every group serves every model of the config with ``tp x pp`` workers of its own (one node per group);
 the router (``policy.SwapAwareRouter`` by default) picks a group per request. Ray is an optional
@@ -11,9 +12,7 @@ node at the same paths.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 from typing import Any, Dict, Optional, Sequence, Union
 
 log = logging.getLogger("computron.cluster")
@@ -77,35 +76,3 @@ def start_cluster(engine_config, model_configs: Sequence[Any], n_groups: int, tp
     cluster = ClusterEngine(handles, make_router(router, n_groups), model_configs, placement_groups=pgs,
                             shutdown_grace_s=engine_config.shutdown_grace_s + 5, placement=placement)
     return cluster.start(timeout_s if timeout_s is not None else engine_config.start_timeout_s + 60)
-
-
-async def serve_cluster(cfg, sock, configs, served: Dict[str, Any], groups: int, ray_address: Optional[str] = None,
-                        router: str = "swap-aware", max_restarts: int = 3) -> int:
-    """``cli.serve`` over ``groups`` engine groups on Ray: same arguments (``cli.prepare``'s ``configs`` and
-    ``served``, the socket ``preflight.reserve_port`` bound), same exit status (2: Ray missing or a bad
-    ``--groups``; 1: a group failed to start; 0 after a graceful stop)."""
-    from ..errors import LaunchError
-    from ..server.cli import serve_engine
-    if groups < 1:
-        print(f"computron serve: error: --groups={groups}: must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        started_ray = init_ray(ray_address)
-    except RayMissingError as exc:
-        print(f"computron serve: error: {exc}", file=sys.stderr)
-        return 2
-    ray = _ray()
-    log.info("starting %d engine groups of %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d per group; "
-             "router: %s", groups, cfg.tp * cfg.pp, cfg.tp, cfg.pp, len(cfg.models),
-             ", ".join(f"{m.id} ({m.path})" for m in cfg.models) or "none yet", cfg.engine.max_loaded, router)
-    try:
-        try:
-            cluster = await asyncio.to_thread(start_cluster, cfg.engine, configs, groups, cfg.tp, cfg.pp,
-                                              router=router, max_restarts=max_restarts)
-        except LaunchError as exc:
-            log.error("the engine groups failed to start: %s", exc)
-            return 1
-        return await serve_engine(cfg, sock, cluster, served)
-    finally:
-        if started_ray:
-            ray.shutdown()

@@ -155,24 +155,3 @@ def add_at_launch(engine, configs: List[ModelConfig], timeout: float) -> None:
     if errors:
         engine.close()
         raise errors[0]
-
-
-
-def check_adapter_config(mc: ModelConfig, base: ModelConfig, max_rank: int):
-    """The master's checks of an adapter against the checkpoint of the version it would go on (files only,
-    no weights): ``lora.adapter.AdapterInfo``, or ``AdapterError`` in one line."""
-    import json
-    import os
-
-    from ..checkpoint import checkpoint_of
-    from ..lora.adapter import AdapterError, check_adapter
-    where = checkpoint_of(base)
-    config_file = os.path.join(where[0], "config.json") if where is not None else None
-    if config_file is None or not os.path.isfile(config_file):
-        raise AdapterError(mc.model_id, f"its base {mc.base!r} has no local checkpoint with a config.json to "
-                           "check the adapter against")
-    with open(config_file) as f:
-        info = check_adapter(mc.model_id, mc.adapter, json.load(f))
-    if info.r > max_rank:
-        raise AdapterError(mc.model_id, f"its rank {info.r} is over EngineConfig.max_lora_rank={max_rank}")
-    return info

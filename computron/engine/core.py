@@ -35,10 +35,11 @@ from ..budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
 from ..generation import CausalLMBatchManager, batch_manager_for
+from ..lora.adapter import check_adapter_config
 from ..scheduler import ActionKind
 from ..sequences import TokenBatch, consume
 from .batches import RequestLevel
-from .adapters import Adapters, check_adapter_config
+from .adapters import Adapters
 from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .host_models import HostModels, HostModelsControl

@@ -18,49 +18,11 @@ from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional
 
+from .protocol import EngineSnapshot, ModelSnapshot
+
 log = logging.getLogger("computron.engine")
 
 EVENT_HISTORY = 2000
-
-
-@dataclass(frozen=True)
-class ModelSnapshot:
-    """One model, as ``Engine.snapshot`` sees it."""
-    state: str
-    """The scheduler's state: 'offloaded', 'loading', 'loaded' or 'offloading'."""
-    tier: str
-    """Where its shards are: 'device', 'host' or 'disk'."""
-    waiting: int
-    running: int
-    paused: int
-    token_level: bool
-    pinned: bool
-    last_load: Optional[dict] = None
-    last_offload: Optional[dict] = None
-    version: int = 1
-    """The served version (2 and up after ``Engine.replace_model``)."""
-    draining_versions: int = 0
-    """Earlier versions still finishing the requests admitted under them."""
-    base: Optional[str] = None
-    """A LoRA adapter's: the model it runs on (state and tier are that model's)."""
-    host_plan: bool = False
-    """Kept in host memory by plan (``Engine.set_host_models``): the last to go to disk, read ahead from it."""
-    host_bytes: int = 0
-    """Its largest shard: the host memory it takes on the rank it takes the most of."""
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    alive: bool
-    dead_reason: Optional[str]
-    models: Dict[str, ModelSnapshot] = field(default_factory=dict)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"alive": self.alive, "dead_reason": self.dead_reason,
-                "models": {m: s.to_dict() for m, s in self.models.items()}}
 
 
 class Telemetry:

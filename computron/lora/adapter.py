@@ -29,6 +29,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Tuple
 
+from ..loading import checkpoint_of
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
@@ -320,5 +322,20 @@ def check_adapter(adapter_id: str, path: str, base_config: Mapping[str, Any]) ->
                        target_modules=targets, layers=layers, nbytes=nbytes, dtype=dtype)
 
 
-__all__ = ["AdapterError", "AdapterInfo", "check_adapter", "linear_shapes", "tensor_key_pattern",
+def check_adapter_config(mc, base, max_rank: int) -> AdapterInfo:
+    """The master's checks of adapter ``mc`` (a ``ModelConfig``) against the checkpoint of ``base``, the
+    version it would go on (files only, no weights): its ``AdapterInfo``, or ``AdapterError`` in one line."""
+    where = checkpoint_of(base)
+    config_file = os.path.join(where[0], "config.json") if where is not None else None
+    if config_file is None or not os.path.isfile(config_file):
+        raise AdapterError(mc.model_id, f"its base {mc.base!r} has no local checkpoint with a config.json to "
+                           "check the adapter against")
+    with open(config_file) as f:
+        info = check_adapter(mc.model_id, mc.adapter, json.load(f))
+    if info.r > max_rank:
+        raise AdapterError(mc.model_id, f"its rank {info.r} is over EngineConfig.max_lora_rank={max_rank}")
+    return info
+
+
+__all__ = ["AdapterError", "AdapterInfo", "check_adapter", "check_adapter_config", "linear_shapes", "tensor_key_pattern",
            "family_of_config", "read_safetensors_header", "CONFIG_NAME", "WEIGHTS_NAME"]

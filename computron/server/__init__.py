@@ -7,7 +7,7 @@ torch or transformers.
 from .. import _lazy_exports
 
 _EXPORTS = {".app": ("create_app",), ".config": ("ConfigError", "ServeConfig"),
-            ".engine_client": ("EngineClient",), ".model_kind": ("ModelKind",),
+            "..engine.protocol": ("EngineClient",), ".model_kind": ("ModelKind",),
             ".text": ("ModelText", "IncrementalDetokenizer", "TextStream")}
 
 __all__ = [name for names in _EXPORTS.values() for name in names]

@@ -14,7 +14,7 @@ changed while serving), ``building.py`` (one model from its config entry, at sta
 ``errors.py`` (one table from engine errors to OpenAI's and v2's shapes), ``http.py`` (JSON, SSE,
 disconnects), the request shapes in ``openai/protocol.py`` and ``v2/protocol.py``, ``metrics.py``
 (Prometheus), ``residency.py`` and ``model_kind.py`` (the two vocabularies), ``text.py`` (tokenizers,
-detokenizing, stop strings), ``engine_client.py`` (what the server uses of the engine), and
+detokenizing, stop strings), ``engine/protocol.py`` (what the server uses of the engine), and
 ``config.py`` and ``cli.py`` (``computron serve``). The ``model`` field of a request picks the model;
 the engine queues it and swaps models in as needed.
 
@@ -36,7 +36,7 @@ from ..errors import ComputronError
 from . import status
 from .building import BuiltModel, ServedModel
 from .config import ServerSettings
-from .engine_client import EngineClient
+from ..engine.protocol import EngineClient
 from .errors import ERROR_TABLE, APIError, V2Error, bad, to_openai, to_v2
 from .http import error_response
 from .openai import lora_routes
@@ -45,7 +45,7 @@ from .state import ServerState, served_models
 from .text import ModelText
 from .v2 import repository as v2_repository
 from .v2 import routes as v2_routes
-from .v2.protocol import UnderstandingModel
+from .building import UnderstandingModel
 
 log = logging.getLogger("computron.server")
 

@@ -25,13 +25,71 @@ from typing import Any, Dict, List, Optional
 from .config import ConfigError, ModelEntry, ServeConfig, parse_model
 from .model_kind import ModelKind
 from .text import ModelText
-from .v2.protocol import UnderstandingModel
 
 DEFAULT_MAX_BATCH_SIZE = 8
 """An encoder's batch size when neither its entry nor the engine config sets one (EngineConfig's default)."""
 
 _REBUILD_FIELDS = ("path", "dtype", "max_batch_size", "queue_size", "task", "base", "adapter")
 """The fields of an entry that only a new build can change (``pinned`` and ``priority`` are set in place)."""
+
+
+@dataclass
+class UnderstandingModel:
+    """An encoder or ViT model the server serves, with the batch manager its engine requests go through."""
+    id: str
+    path: str
+    kind: ModelKind
+    """SEQUENCE_CLS, TOKEN_CLS, EMBEDDING or IMAGE_CLS."""
+    batch_manager: Any
+    hidden_size: Optional[int] = None
+
+    def __post_init__(self):
+        self.kind = ModelKind(self.kind)
+
+    @property
+    def is_text(self) -> bool:
+        return self.kind is not ModelKind.IMAGE_CLS
+
+    @property
+    def tokenizer(self):
+        return getattr(self.batch_manager, "tokenizer", None)
+
+    @property
+    def labels(self) -> List[str]:
+        return list(getattr(self.batch_manager, "labels", []) or [])
+
+    def input_specs(self) -> List[Dict[str, Any]]:
+        bm = self.batch_manager
+        if not self.is_text:
+            c, h, w = bm.shape
+            out = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, c, h, w]}]
+            if bm.processor is not None:
+                out.append({"name": "image", "datatype": "BYTES", "shape": [-1]})
+            return out
+        out = []
+        if self.tokenizer is not None:
+            out += [{"name": "text", "datatype": "BYTES", "shape": [-1]},
+                    {"name": "text_pair", "datatype": "BYTES", "shape": [-1]}]
+        out += [{"name": n, "datatype": "INT64", "shape": [-1, -1]}
+                for n in ("input_ids", "attention_mask", "token_type_ids")]
+        return out
+
+    def output_specs(self) -> List[Dict[str, Any]]:
+        n = len(self.labels)
+        if self.kind is ModelKind.EMBEDDING:
+            return [{"name": "embedding", "datatype": "FP32", "shape": [-1, self.hidden_size or -1]}]
+        if self.kind is ModelKind.TOKEN_CLS:
+            return [{"name": "label", "datatype": "BYTES", "shape": [-1, -1]},
+                    {"name": "score", "datatype": "FP32", "shape": [-1, -1]},
+                    {"name": "logits", "datatype": "FP32", "shape": [-1, -1, n]},
+                    {"name": "length", "datatype": "INT64", "shape": [-1]}]
+        return [{"name": "label", "datatype": "BYTES", "shape": [-1, -1]},
+                {"name": "score", "datatype": "FP32", "shape": [-1, -1]},
+                {"name": "logits", "datatype": "FP32", "shape": [-1, n]}]
+
+    def metadata(self) -> Dict[str, Any]:
+        return {"name": self.id, "versions": ["1"], "platform": "computron", "inputs": self.input_specs(),
+                "outputs": self.output_specs()}
 
 
 @dataclass(frozen=True)
@@ -119,10 +177,10 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
 
 def _understanding_model(entry: ModelEntry, hf, default_max_batch_size: Optional[int],
                          where: str) -> UnderstandingModel:
-    """The batch manager (from ``computron.understanding``) of an encoder or ViT entry, wrapped for the
-    v2 routes."""
-    from ..understanding import (EmbeddingBatchManager, ImageClassificationBatchManager,
-                                 TextClassificationBatchManager)
+    """The batch manager (``computron.understanding`` or ``computron.images``) of an encoder or ViT entry,
+    wrapped for the v2 routes."""
+    from ..images import ImageClassificationBatchManager
+    from ..understanding import EmbeddingBatchManager, TextClassificationBatchManager
     cls = {ModelKind.EMBEDDING: EmbeddingBatchManager, ModelKind.IMAGE_CLS: ImageClassificationBatchManager}.get(
         entry.kind, TextClassificationBatchManager)
     bs = entry.max_batch_size or default_max_batch_size or DEFAULT_MAX_BATCH_SIZE
@@ -152,8 +210,7 @@ def build_adapter(entry: ModelEntry, base: ServedModel, where: Optional[str] = N
 def check_adapter_files(adapter: BuiltModel, base: BuiltModel, max_rank: int, where: str) -> None:
     """The engine's own check of an adapter's files against its base's checkpoint (rank, targets, shapes),
     before any worker starts: ``ConfigError`` naming ``where.adapter``."""
-    from ..engine.adapters import check_adapter_config
-    from ..lora.adapter import AdapterError
+    from ..lora.adapter import AdapterError, check_adapter_config
     try:
         check_adapter_config(adapter.config, base.config, max_rank)
     except AdapterError as exc:

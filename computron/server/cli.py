@@ -198,6 +198,35 @@ async def serve_engine(cfg: ServeConfig, sock, engine, served) -> int:
     return 0
 
 
+async def serve_cluster(cfg: ServeConfig, sock, configs, served, groups: int, ray_address: Optional[str] = None,
+                        router: str = "swap-aware", max_restarts: int = 3) -> int:
+    """``serve`` over ``groups`` engine groups on Ray (``cluster.serve.start_cluster``): same arguments, same
+    exit status (2: Ray missing or a bad ``--groups``; 1: a group failed to start; 0 after a graceful stop)."""
+    from ..cluster.serve import RayMissingError, init_ray, start_cluster
+    from ..errors import LaunchError
+    if groups < 1:
+        return _config_error(ValueError(f"--groups={groups}: must be >= 1"))
+    try:
+        started_ray = init_ray(ray_address)
+    except RayMissingError as exc:
+        return _config_error(exc)
+    log.info("starting %d engine groups of %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d per group; "
+             "router: %s", groups, cfg.tp * cfg.pp, cfg.tp, cfg.pp, len(cfg.models),
+             ", ".join(f"{m.id} ({m.path})" for m in cfg.models) or "none yet", cfg.engine.max_loaded, router)
+    try:
+        try:
+            cluster = await asyncio.to_thread(start_cluster, cfg.engine, configs, groups, cfg.tp, cfg.pp,
+                                              router=router, max_restarts=max_restarts)
+        except LaunchError as exc:
+            log.error("the engine groups failed to start: %s", exc)
+            return 1
+        return await serve_engine(cfg, sock, cluster, served)
+    finally:
+        if started_ray:
+            import ray
+            ray.shutdown()
+
+
 def _config_error(exc: Exception) -> int:
     print(f"computron serve: error: {exc}", file=sys.stderr)
     return 2
@@ -228,7 +257,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return _config_error(exc)
             raise
         if args.ray:
-            from ..cluster.serve import serve_cluster
             return asyncio.run(serve_cluster(cfg, sock, *prepared, groups=args.groups, ray_address=args.ray_address))
         return asyncio.run(serve(cfg, sock, *prepared))
 

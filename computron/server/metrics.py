@@ -23,6 +23,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..engine.protocol import ClusterSnapshot
 from .residency import Residency
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -121,7 +122,7 @@ class _EngineCollector:
             is_res = where is Residency.RESIDENT
             resident.add_metric([m], 1.0 if is_res else 0.0)
             state.add_metric([m, where.value], 1.0)
-            if getattr(s, "base", None) is not None:
+            if s.base is not None:
                 adapters.add_metric([m, s.base], 1.0)
             else:
                 n_resident += is_res
@@ -130,7 +131,7 @@ class _EngineCollector:
         yield from (depth, running, resident, state, total, adapters)
         c = e.counters()
         # zeros for what has not happened yet: every series exists from the start (adapters swap with their base)
-        models = [m for m, s in snap.models.items() if getattr(s, "base", None) is None]
+        models = [m for m, s in snap.models.items() if s.base is None]
         swaps = CounterMetricFamily("computron_swaps", "Loads and offloads", labels=["model", "kind"])
         secs = CounterMetricFamily("computron_swap_seconds", "Seconds spent in loads and offloads",
                                    labels=["model", "kind"])
@@ -151,7 +152,7 @@ class _EngineCollector:
         for m, v in sorted({**dict.fromkeys(models, 0), **c.get("steps", {})}.items()):
             steps.add_metric([m], v)
         yield steps
-        if getattr(snap, "groups", None) is not None:
+        if isinstance(snap, ClusterSnapshot):
             yield from _group_families(snap)
 
 

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..errors import EngineDeadError, ModelChangeError, ModelConflictError, RequestTimeoutError, UnknownModelError
 from .building import BuiltModel, ServedModel, build_adapter, entry_for
 from .config import ModelEntry
-from .engine_client import EngineClient
+from ..engine.protocol import EngineClient
 from .repository import ModelRepository
 
 log = logging.getLogger("computron.server")

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from ..errors import EngineDeadError, PayloadError, UnknownModelError
 from .building import BuiltModel, ServedModel, build_model
 from .config import ServerSettings
-from .engine_client import EngineClient
+from ..engine.protocol import EngineClient
 from .errors import APIError, V2Error
 from .http import error_response, unless_disconnected
 from .metrics import ServerMetrics
@@ -39,7 +39,7 @@ from .model_kind import ModelKind
 from .registry import ModelRegistry
 from .repository import ModelRepository
 from .text import ModelText
-from .v2.protocol import UnderstandingModel
+from .building import UnderstandingModel
 
 log = logging.getLogger("computron.server")
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse, Response
 
+from ..engine.protocol import ClusterModelSnapshot, ClusterSnapshot
 from .http import json_response
 from .metrics import CONTENT_TYPE
 from .residency import Residency
@@ -54,27 +55,27 @@ async def metrics(state: ServerState = Depends(served_state)):
 
 def _groups(snap: Any) -> Dict[str, Any]:
     """``{"groups": [...]}``, each engine group's liveness and restarts, for a cluster's snapshot; ``{}``
-    for a plain engine's (no ``groups``)."""
-    groups = getattr(snap, "groups", None)
-    if groups is None:
+    for a plain engine's."""
+    if not isinstance(snap, ClusterSnapshot):
         return {}
     return {"groups": [{"group": i, "alive": g.alive, "reason": g.dead_reason, "restarts": snap.restarts.get(i, 0)}
-                       for i, g in sorted(groups.items())]}
+                       for i, g in sorted(snap.groups.items())]}
 
 
 def _group_residency(snap: Any, model_id: str) -> Optional[Dict[int, str]]:
     """The model's residency on each alive group serving it, from each group's own snapshot (None for a
     plain engine's snapshot; ``{}`` for a model no alive group reports)."""
-    groups = getattr(snap, "groups", None)
-    if groups is None:
+    if not isinstance(snap, ClusterSnapshot):
         return None
-    held = getattr(snap.models.get(model_id), "groups", None) or {}
+    merged = snap.models.get(model_id)
+    held = merged.groups if isinstance(merged, ClusterModelSnapshot) else {}
+    groups = snap.groups
     return {i: Residency.of(groups[i].models.get(model_id) if i in groups else None).value for i in sorted(held)}
 
 
 def _model_row(model_id: str, s: Optional[Any], snap: Any) -> Dict[str, Any]:
     """One row of the status page; ``s`` is the model's ``ModelSnapshot`` in ``snap`` (None: not reported)."""
-    return {"id": model_id, "base": getattr(s, "base", None), "state": Residency.of(s).value,
+    return {"id": model_id, "base": s.base if s else None, "state": Residency.of(s).value,
             "engine_state": s and s.state, "tier": s and s.tier, "waiting": s.waiting if s else 0,
             "running": s.running if s else 0,
             "last_load": s and s.last_load, "last_offload": s and s.last_offload,

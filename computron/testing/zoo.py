@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..loading import checkpoint_dtype, torch_dtype
+from ..loading import checkpoint_dtype, describe_model_fn, torch_dtype
 
 # name: (hidden, layers, ffn, heads)
 OPT_SHAPES = {
@@ -173,6 +173,17 @@ def reference_generate(model, prompt, max_new_tokens: int) -> torch.Tensor:
     hits = torch.isin(new, torch.tensor([eos] if isinstance(eos, int) else list(eos or []))).nonzero()
     return new[:int(hits[0]) + 1] if len(hits) else new
 
+
+
+def _shape_config(kw):
+    """What ``random_causal_lm(**kw)`` builds, for the preflight (``loading.describe_model_fn``)."""
+    if kw.get("name") not in OPT_SHAPES.keys() | LLAMA_SHAPES.keys():
+        return None
+    config = hf_config(kw["name"], **{k: kw[k] for k in ("vocab_size", "max_positions") if k in kw})
+    return config.to_dict(), f"shape {kw['name']!r}"
+
+
+describe_model_fn(random_causal_lm, config_of=_shape_config, dtype_arg=True)
 
 __all__ = ["OPT_SHAPES", "LLAMA_SHAPES", "model_names", "hf_config", "random_causal_lm", "save_random_causal_lm",
            "write_checkpoint", "mlp", "Echo", "echo", "reference_generate"]

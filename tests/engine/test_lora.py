@@ -98,7 +98,7 @@ def test_adapters_added_and_removed_while_serving(checkpoints, adapters):
 
 
 def test_bad_adapters_fail_alone_with_one_line(checkpoints, adapters, tmp_path):
-    from computron.engine.adapters import check_adapter_config
+    from computron.lora.adapter import check_adapter_config
     from computron.lora.adapter import AdapterError
     opt = ModelConfig("opt0", zoo.load_causal_lm, {"path": checkpoints["opt0"]})
     llama_adapter = ModelConfig("x", base="opt0", adapter=adapters[("llama0", 0)])

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from helpers import greedy_reference
 
-from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, zoo
+from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, loading, zoo
 from computron import checkpoint as ck
 from computron import slice_reads
 from computron import messages as msg
@@ -53,7 +53,7 @@ def build_shard(mc, tp, pp, rank, sliced, dtype=None):
     try:
         ctx = StageContext(FakeGroups(Layout(tp, pp, tp * pp, False), rank), torch.device("cpu"), mc.model_id)
         if sliced:
-            path, dt = ck.checkpoint_of(mc)
+            path, dt = loading.checkpoint_of(mc)
             module, names = ck.meta_model(path, dt, mc.model_id)
             runner = make_runner(module, mc, ctx)
             src = ck.CheckpointSource(mc.model_id, path, names, runner.module)
@@ -123,13 +123,13 @@ def test_sliced_shards_convert_dtype_and_serve_encoders(checkpoints, tmp_path):
     assert_same_shards(ModelConfig("b", zu.load_encoder, {"path": bert}), 2, 2)
     # and the explicit field
     mc = ModelConfig("c", zoo.load_causal_lm, {"path": "elsewhere"}, checkpoint=checkpoints["opt2"])
-    assert ck.checkpoint_of(mc) == (checkpoints["opt2"], None)
+    assert loading.checkpoint_of(mc) == (checkpoints["opt2"], None)
     with pytest.raises(ValueError, match="checkpoint"):
         ModelConfig("c", zoo.load_causal_lm, checkpoint=3)
 
 
 def test_unreadable_layouts_fall_back_to_model_fn(tmp_path, checkpoints):
-    assert ck.checkpoint_of(ModelConfig("m", zoo.mlp)) is None
+    assert loading.checkpoint_of(ModelConfig("m", zoo.mlp)) is None
     no_st = tmp_path / "bin"
     shutil.copytree(checkpoints["opt0"], no_st)
     os.remove(no_st / "model.safetensors")

@@ -21,8 +21,8 @@ from computron.errors import QueueFullError
 from computron.models.encoder import pool
 from computron.server import create_app
 from computron.server.config import ConfigError, ServerSettings
-from computron.understanding import (EmbeddingBatchManager, ImageClassificationBatchManager,
-                                     TextClassificationBatchManager)
+from computron.images import ImageClassificationBatchManager
+from computron.understanding import EmbeddingBatchManager, TextClassificationBatchManager
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -31,15 +31,15 @@ def test_has_tokenizer(tmp_path):
 
 def test_checkpoint_of_named_or_through_the_loader(tmp_path):
     p = str(tmp_path)
-    assert ck.checkpoint_of(ModelConfig("a", loading.load_causal_lm, {"path": p})) == (p, None)
-    assert ck.checkpoint_of(ModelConfig("b", loading.load_encoder, {"path": p, "dtype": "float16"})) == \
+    assert loading.checkpoint_of(ModelConfig("a", loading.load_causal_lm, {"path": p})) == (p, None)
+    assert loading.checkpoint_of(ModelConfig("b", loading.load_encoder, {"path": p, "dtype": "float16"})) == \
         (p, "float16")
     # what `computron serve` builds: the directory named, the loader's dtype honoured
     named = ModelConfig("c", loading.load_causal_lm, {"path": p, "dtype": "bfloat16"}, checkpoint=p)
-    assert ck.checkpoint_of(named) == (p, "bfloat16")
-    assert ck.checkpoint_of(ModelConfig("d", loading.load_causal_lm, {"path": p, "other": 1})) is None
-    assert ck.checkpoint_of(ModelConfig("e", dict, {"path": p})) is None
-    assert ck.checkpoint_of(ModelConfig("f", dict, {"dtype": "float16"}, checkpoint=p)) == (p, None)
+    assert loading.checkpoint_of(named) == (p, "bfloat16")
+    assert loading.checkpoint_of(ModelConfig("d", loading.load_causal_lm, {"path": p, "other": 1})) is None
+    assert loading.checkpoint_of(ModelConfig("e", dict, {"path": p})) is None
+    assert loading.checkpoint_of(ModelConfig("f", dict, {"dtype": "float16"}, checkpoint=p)) == (p, None)
 
 
 @pytest.mark.parametrize("name", ["opt-tiny", "llama-tiny"])

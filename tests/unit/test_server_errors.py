@@ -25,11 +25,11 @@ from computron.generation import CausalLMBatchManager
 from computron.server import create_app
 from computron.server.config import ServerSettings
 from computron.server.text import ModelText
-from computron.server.engine_client import EngineClient
+from computron.engine.protocol import EngineClient
 from computron.server.errors import ERROR_TABLE, to_openai, to_v2
 from computron.server.residency import Residency
 from computron.server.v2 import payload_message
-from computron.understanding import ImageClassificationBatchManager
+from computron.images import ImageClassificationBatchManager
 
 pytestmark = pytest.mark.timeout(300)
 

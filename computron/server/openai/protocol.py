@@ -23,7 +23,7 @@ from ..errors import bad
 
 if TYPE_CHECKING:
     from ..text import ModelText
-    from ..v2.protocol import UnderstandingModel
+    from ..building import UnderstandingModel
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "user", "n"}

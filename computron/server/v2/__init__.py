@@ -7,7 +7,8 @@ under their old names.
 """
 from ..errors import V2Error, payload_message
 from ..model_kind import ModelKind
-from .protocol import UnderstandingModel, encode_outputs, parse_infer
+from ..building import UnderstandingModel
+from .protocol import encode_outputs, parse_infer
 
 SEQUENCE, TOKEN, EMBEDDING, IMAGE = (ModelKind.SEQUENCE_CLS, ModelKind.TOKEN_CLS, ModelKind.EMBEDDING,
                                      ModelKind.IMAGE_CLS)

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..building import UnderstandingModel
 from ..errors import V2Error
 from ..model_kind import ModelKind
 
@@ -43,64 +44,6 @@ DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "IN
              "FP64", "BYTES")
 INT_TYPES = ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")
 FLOAT_TYPES = ("FP16", "FP32", "FP64")
-
-@dataclass
-class UnderstandingModel:
-    """An encoder or ViT model the server serves, with the batch manager its engine requests go through."""
-    id: str
-    path: str
-    kind: ModelKind
-    """SEQUENCE_CLS, TOKEN_CLS, EMBEDDING or IMAGE_CLS."""
-    batch_manager: Any
-    hidden_size: Optional[int] = None
-
-    def __post_init__(self):
-        self.kind = ModelKind(self.kind)
-
-    @property
-    def is_text(self) -> bool:
-        return self.kind is not ModelKind.IMAGE_CLS
-
-    @property
-    def tokenizer(self):
-        return getattr(self.batch_manager, "tokenizer", None)
-
-    @property
-    def labels(self) -> List[str]:
-        return list(getattr(self.batch_manager, "labels", []) or [])
-
-    def input_specs(self) -> List[Dict[str, Any]]:
-        bm = self.batch_manager
-        if not self.is_text:
-            c, h, w = bm.shape
-            out = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, c, h, w]}]
-            if bm.processor is not None:
-                out.append({"name": "image", "datatype": "BYTES", "shape": [-1]})
-            return out
-        out = []
-        if self.tokenizer is not None:
-            out += [{"name": "text", "datatype": "BYTES", "shape": [-1]},
-                    {"name": "text_pair", "datatype": "BYTES", "shape": [-1]}]
-        out += [{"name": n, "datatype": "INT64", "shape": [-1, -1]}
-                for n in ("input_ids", "attention_mask", "token_type_ids")]
-        return out
-
-    def output_specs(self) -> List[Dict[str, Any]]:
-        n = len(self.labels)
-        if self.kind is ModelKind.EMBEDDING:
-            return [{"name": "embedding", "datatype": "FP32", "shape": [-1, self.hidden_size or -1]}]
-        if self.kind is ModelKind.TOKEN_CLS:
-            return [{"name": "label", "datatype": "BYTES", "shape": [-1, -1]},
-                    {"name": "score", "datatype": "FP32", "shape": [-1, -1]},
-                    {"name": "logits", "datatype": "FP32", "shape": [-1, -1, n]},
-                    {"name": "length", "datatype": "INT64", "shape": [-1]}]
-        return [{"name": "label", "datatype": "BYTES", "shape": [-1, -1]},
-                {"name": "score", "datatype": "FP32", "shape": [-1, -1]},
-                {"name": "logits", "datatype": "FP32", "shape": [-1, n]}]
-
-    def metadata(self) -> Dict[str, Any]:
-        return {"name": self.id, "versions": ["1"], "platform": "computron", "inputs": self.input_specs(),
-                "outputs": self.output_specs()}
 
 
 # ---- tensors -------------------------------------------------------------------------
