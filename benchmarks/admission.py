@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
 
 from workload import machine_info  # noqa: E402
 
-from computron import policies  # noqa: E402
+from computron.sched import policies  # noqa: E402
 
 WAYS = {"one": float("inf"), "apart": 0.0, "auto": None}
 """Each way's ``policies.APART_MIN_WASTE`` for every device (None: the policy's own)."""

@@ -49,8 +49,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
 
-from computron.eviction import LruEviction  # noqa: E402
-from computron.scheduler import ActionKind, Reason, Scheduler  # noqa: E402
+from computron.sched.eviction import LruEviction  # noqa: E402
+from computron.sched.scheduler import ActionKind, Reason, Scheduler  # noqa: E402
 from residency import FULL, POLICIES, TARGETS, parse_models, zipf_rates  # noqa: E402
 from workload import make_trace  # noqa: E402
 

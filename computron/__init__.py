@@ -18,7 +18,7 @@ _EXPORTS = {
     ".generation": ("CausalLMBatchManager", "OPTBatchManager"),
     ".launch": ("LaunchEngine", "launch_computron"),
     ".metrics": ("BatchRecord", "RequestRecord", "SwapRecord"),
-    ".scheduler": ("ModelState", "Scheduler"),
+    ".sched.scheduler": ("ModelState", "Scheduler"),
     ".images": ("ImageClassificationBatchManager",),
     ".understanding": ("TextClassificationBatchManager", "EmbeddingBatchManager"),
 }

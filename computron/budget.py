@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 from . import messages as msg
 from .config import EngineConfig, ModelConfig
 from .errors import LaunchError
-from .scheduler import Scheduler
+from .sched.scheduler import Scheduler
 
 
 def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
-from .eviction import EVICTIONS
-from .policies import POLICIES
+from .sched.eviction import EVICTIONS
+from .sched.policies import POLICIES
 
 _BACKENDS = ("gloo", "nccl")
 _DEVICES = ("cpu", "cuda")
@@ -93,7 +93,7 @@ class EngineConfig:
     eviction: str = "lru"
     """Which idle resident model leaves first when another must load: 'lru' (the least recently used) or
     'cost' (the one whose eviction is expected to cost least: its reload seconds, measured or estimated from
-    its bytes, times its recent request rate; GreedyDual aging, see ``computron/eviction.py``). Pinned models
+    its bytes, times its recent request rate; GreedyDual aging, see ``computron/sched/eviction.py``). Pinned models
     never leave and a lower ``ModelConfig.priority`` leaves first under either."""
     max_loras: int = 8
     """LoRA adapters a model keeps on the device at once (slots, least recently used leaves first): the

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional
 
 from computron.cluster import GroupState
-from computron.policies import MIN_TURN_STEPS, POLICY_RULES, Policy
+from computron.sched.policies import MIN_TURN_STEPS, POLICY_RULES, Policy
 
 from cluster_costs import Costs
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Dict, FrozenSet, List, Mapping, Optional
 
 # absolute, and pure (no torch): the turn a model keeps its slot before a waiting one may preempt it
-from computron.policies import MIN_TURN_STEPS
+from computron.sched.policies import MIN_TURN_STEPS
 
 __all__ = ["GroupState", "NoGroupError", "Router", "SwapAwareRouter", "DEFAULT_LOAD_S", "TIERS"]
 

@@ -13,7 +13,7 @@ from .. import messages as msg
 from ..batch import TaskEntry, take_batch
 from ..errors import PayloadError, WorkerError
 from ..metrics import BatchRecord
-from ..scheduler import Scheduler
+from ..sched.scheduler import Scheduler
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
 from .telemetry import Telemetry

@@ -27,7 +27,7 @@ from .. import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
 from ..generation import CausalLMBatchManager, batch_manager_for
-from ..scheduler import ModelState, Scheduler
+from ..sched.scheduler import ModelState, Scheduler
 from ..sequences import TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable

@@ -36,7 +36,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
 from ..generation import CausalLMBatchManager, batch_manager_for
 from ..lora.adapter import check_adapter_config
-from ..scheduler import ActionKind
+from ..sched.scheduler import ActionKind
 from ..sequences import TokenBatch, consume
 from .batches import RequestLevel
 from .adapters import Adapters

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional
 from .. import messages as msg
 from ..errors import WorkerError
 from ..metrics import SwapRecord
-from ..scheduler import Action, ActionKind, ModelState, Reason, Scheduler
+from ..sched.scheduler import Action, ActionKind, ModelState, Reason, Scheduler
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
 from .telemetry import Telemetry

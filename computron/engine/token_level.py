@@ -19,8 +19,8 @@ import torch
 from .. import messages as msg
 from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
-from ..policies import choose_recompute, prefill_apart
-from ..scheduler import Scheduler
+from ..sched.policies import choose_recompute, prefill_apart
+from ..sched.scheduler import Scheduler
 from ..sequences import Cancelled, Request, TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional
 
-from ..scheduler import ModelState as EngineState
+from ..sched.scheduler import ModelState as EngineState
 
 
 class Residency(str, enum.Enum):

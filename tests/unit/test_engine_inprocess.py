@@ -25,7 +25,7 @@ from computron.generation import CausalLMBatchManager  # noqa: E402
 from computron.errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError,  # noqa: E402
                               UnknownModelError, WorkerError)
 from computron.metrics import KVRecord, RequestRecord, StepRecord, SwapRecord  # noqa: E402
-from computron.scheduler import MIN_TURN_STEPS  # noqa: E402
+from computron.sched.scheduler import MIN_TURN_STEPS  # noqa: E402
 
 WAIT_S = 5.0
 """A safety net only: every await below completes as soon as the replies it needs are delivered."""

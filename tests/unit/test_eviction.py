@@ -4,8 +4,8 @@ import pytest
 from test_scheduler import load, offload, run
 
 from computron.config import EngineConfig
-from computron.eviction import EVICTIONS, HALF_LIFE_S, CostEviction, LruEviction, make_eviction
-from computron.scheduler import Scheduler
+from computron.sched.eviction import EVICTIONS, HALF_LIFE_S, CostEviction, LruEviction, make_eviction
+from computron.sched.scheduler import Scheduler
 
 
 def serve(s, m, t, arrivals=1):

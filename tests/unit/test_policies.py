@@ -4,8 +4,8 @@ import pytest
 
 from test_scheduler import load, offload, run, use
 
-from computron.policies import APART_MIN_WASTE, prefill_apart
-from computron.scheduler import MIN_TURN_STEPS, ActionKind, ModelState, Scheduler, choose_recompute
+from computron.sched.policies import APART_MIN_WASTE, prefill_apart
+from computron.sched.scheduler import MIN_TURN_STEPS, ActionKind, ModelState, Scheduler, choose_recompute
 
 
 def steps(s, m, n, t0, dt=0.01, running=None):

@@ -5,7 +5,7 @@ from collections import Counter, deque
 
 import pytest
 
-from computron.scheduler import Action, ActionKind, ModelState, Scheduler
+from computron.sched.scheduler import Action, ActionKind, ModelState, Scheduler
 
 A, B, C, D, E = "a", "b", "c", "d", "e"
 IDS = [A, B, C, D, E]

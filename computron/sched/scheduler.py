@@ -41,9 +41,9 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Mapping, Optional, Set, Union
 
 # absolute: the purity check allows no package-relative import here
-from computron.eviction import EVICTIONS, LruEviction, make_eviction
-from computron.policies import (MIN_TURN_STEPS, POLICIES, POLICY_RULES, Action, ActionKind, ModelState, Policy,
-                                Reason, choose_recompute)
+from computron.sched.eviction import EVICTIONS, LruEviction, make_eviction
+from computron.sched.policies import (MIN_TURN_STEPS, POLICIES, POLICY_RULES, Action, ActionKind, ModelState,
+                                      Policy, Reason, choose_recompute)
 
 __all__ = ["Scheduler", "ModelState", "ActionKind", "Reason", "Action", "MIN_TURN_STEPS", "POLICIES", "EVICTIONS",
            "Policy", "choose_recompute"]
