@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import messages as msg
 from . import preflight
-from .budget import check_memory
+from .engine.budget import check_memory
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
 from .engine import Engine
 from .errors import LaunchError, worker_exit_reason

@@ -28,7 +28,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
 from ..generation import CausalLMBatchManager, batch_manager_for
 from ..sched.scheduler import ModelState, Scheduler
-from ..sequences import TokenBatch
+from .sequences import TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
 from .swaps import Swaps

@@ -31,13 +31,13 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .. import messages as msg
 from .. import preflight
-from ..budget import make_scheduler
+from .budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
 from ..generation import CausalLMBatchManager, batch_manager_for
 from ..lora.adapter import check_adapter_config
 from ..sched.scheduler import ActionKind
-from ..sequences import TokenBatch, consume
+from .sequences import TokenBatch, consume
 from .batches import RequestLevel
 from .adapters import Adapters
 from .catalog import Catalog, Done, done_on

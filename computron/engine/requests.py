@@ -17,7 +17,7 @@ from typing import Any, Deque, Dict, Optional
 from ..batch import SubmitEntry
 from ..errors import PayloadError, QueueFullError, UnknownModelError
 from ..metrics import RequestRecord
-from ..sequences import Request
+from .sequences import Request
 from .telemetry import Telemetry
 
 

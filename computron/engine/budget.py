@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from . import messages as msg
-from .config import EngineConfig, ModelConfig
-from .errors import LaunchError
-from .sched.scheduler import Scheduler
+from .. import messages as msg
+from ..config import EngineConfig, ModelConfig
+from ..errors import LaunchError
+from ..sched.scheduler import Scheduler
 
 
 def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:

@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from .batch import SubmitEntry
-from .errors import RequestTimeoutError
-from .messages import SeqSpec
+from ..batch import SubmitEntry
+from ..errors import RequestTimeoutError
+from ..messages import SeqSpec
 
 END = object()
 """Put on a stream's queue after its last tokens."""
