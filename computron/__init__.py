@@ -9,18 +9,18 @@ from typing import Callable, Dict, Tuple
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    ".batch": ("BatchManager", "SubmitEntry", "TaskEntry"),
+    ".batching.base": ("BatchManager", "SubmitEntry", "TaskEntry"),
     ".config": ("EngineConfig", "ModelConfig"),
     ".engine": ("Engine",),
     ".errors": ("ComputronError", "RequestError", "UnknownModelError", "PayloadError", "QueueFullError",
                 "RequestTimeoutError", "WorkerError", "EngineDeadError", "LaunchError", "ModelConflictError",
                 "ModelChangeError"),
-    ".generation": ("CausalLMBatchManager", "OPTBatchManager"),
+    ".batching.causal_lm": ("CausalLMBatchManager", "OPTBatchManager"),
     ".launch": ("LaunchEngine", "launch_computron"),
     ".metrics": ("BatchRecord", "RequestRecord", "SwapRecord"),
     ".sched.scheduler": ("ModelState", "Scheduler"),
-    ".images": ("ImageClassificationBatchManager",),
-    ".understanding": ("TextClassificationBatchManager", "EmbeddingBatchManager"),
+    ".batching.images": ("ImageClassificationBatchManager",),
+    ".batching.text": ("TextClassificationBatchManager", "EmbeddingBatchManager"),
 }
 
 

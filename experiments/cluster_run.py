@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
 
     from computron import EngineConfig, ModelConfig, zoo
     from computron.cluster.serve import init_ray, start_cluster
-    from computron.generation import CausalLMBatchManager
+    from computron.batching.causal_lm import CausalLMBatchManager
     hf = zoo.hf_config(args.model)
     models = [f"m{i}" for i in range(args.models)]
     bm = CausalLMBatchManager(max_batch_size=args.max_batch, pad_token_id=hf.pad_token_id, eos_token_id=None,

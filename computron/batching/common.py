@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..batch import BatchManager
+from .base import BatchManager
 from ..errors import PayloadError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from .. import messages as msg
-from ..batch import TaskEntry, take_batch
+from ..batching.base import TaskEntry, take_batch
 from ..errors import PayloadError, WorkerError
 from ..metrics import BatchRecord
 from ..sched.scheduler import Scheduler

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .. import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
-from ..generation import CausalLMBatchManager, batch_manager_for
+from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
 from ..sched.scheduler import ModelState, Scheduler
 from .sequences import TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand

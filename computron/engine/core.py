@@ -34,7 +34,7 @@ from .. import preflight
 from .budget import make_scheduler
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
-from ..generation import CausalLMBatchManager, batch_manager_for
+from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
 from ..lora.adapter import check_adapter_config
 from ..sched.scheduler import ActionKind
 from .sequences import TokenBatch, consume

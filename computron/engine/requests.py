@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, Optional
 
-from ..batch import SubmitEntry
+from ..batching.base import SubmitEntry
 from ..errors import PayloadError, QueueFullError, UnknownModelError
 from ..metrics import RequestRecord
 from .sequences import Request

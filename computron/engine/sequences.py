@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from ..batch import SubmitEntry
+from ..batching.base import SubmitEntry
 from ..errors import RequestTimeoutError
 from ..messages import SeqSpec
 

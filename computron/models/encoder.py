@@ -15,7 +15,7 @@ the hidden states the stages computed, so sequence, token and image
 classification heads (and any other head on a listed backbone) need no code
 here.
 
-A batch is a dict of tensors (what the batch managers of ``understanding.py``
+A batch is a dict of tensors (what the batch managers of ``batching/text.py``
 make): ``input_ids``, ``attention_mask``, ``token_type_ids`` or
 ``pixel_values``; with ``pooling`` ('mean' or 'cls') the answer is
 ``{"embeddings": [B, H]}`` taken from the backbone (the head is skipped),

@@ -145,7 +145,7 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
     from transformers import AutoConfig
 
     from ..config import ModelConfig
-    from ..generation import CausalLMBatchManager
+    from ..batching.causal_lm import CausalLMBatchManager
     from ..loading import load_causal_lm, load_encoder
     where = where or f"model {entry.id!r}"
     try:
@@ -177,10 +177,10 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
 
 def _understanding_model(entry: ModelEntry, hf, default_max_batch_size: Optional[int],
                          where: str) -> UnderstandingModel:
-    """The batch manager (``computron.understanding`` or ``computron.images``) of an encoder or ViT entry,
+    """The batch manager (``computron.batching.text`` or ``computron.batching.images``) of an encoder or ViT entry,
     wrapped for the v2 routes."""
-    from ..images import ImageClassificationBatchManager
-    from ..understanding import EmbeddingBatchManager, TextClassificationBatchManager
+    from ..batching.images import ImageClassificationBatchManager
+    from ..batching.text import EmbeddingBatchManager, TextClassificationBatchManager
     cls = {ModelKind.EMBEDDING: EmbeddingBatchManager, ModelKind.IMAGE_CLS: ImageClassificationBatchManager}.get(
         entry.kind, TextClassificationBatchManager)
     bs = entry.max_batch_size or default_max_batch_size or DEFAULT_MAX_BATCH_SIZE

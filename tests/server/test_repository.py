@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from computron import zoo_understanding as zu
-from computron.batch import SubmitEntry
+from computron.batching.base import SubmitEntry
 from computron.engine import EngineSnapshot, ModelSnapshot
 from computron.errors import ModelChangeError, ModelConflictError, UnknownModelError
 from computron.server.building import BuiltModel, ServedModel
@@ -36,7 +36,7 @@ from computron.server.config import ConfigError
 from computron.server.model_kind import ModelKind
 from computron.server.registry import ModelRegistry
 from computron.server.repository import ModelRepository
-from computron.understanding import TextClassificationBatchManager
+from computron.batching.text import TextClassificationBatchManager
 
 pytestmark = pytest.mark.timeout(300)
 

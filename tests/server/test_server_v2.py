@@ -16,13 +16,13 @@ import torch
 from serve_helpers import ServerProcess, StubEngineBase, app_in_thread
 
 from computron import zoo_understanding as zu
-from computron.batch import SubmitEntry
+from computron.batching.base import SubmitEntry
 from computron.errors import QueueFullError
 from computron.models.encoder import pool
 from computron.server import create_app
 from computron.server.config import ConfigError, ServerSettings
-from computron.images import ImageClassificationBatchManager
-from computron.understanding import EmbeddingBatchManager, TextClassificationBatchManager
+from computron.batching.images import ImageClassificationBatchManager
+from computron.batching.text import EmbeddingBatchManager, TextClassificationBatchManager
 
 pytestmark = pytest.mark.timeout(300)
 

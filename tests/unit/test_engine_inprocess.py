@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # fake_workers, 
 from fake_workers import EOS, build_engine, expected_tokens, model_fn  # noqa: E402
 
 from computron import messages as msg  # noqa: E402
-from computron.batch import BatchManager, TaskEntry  # noqa: E402
+from computron.batching.base import BatchManager, TaskEntry  # noqa: E402
 from computron.config import ModelConfig  # noqa: E402
 from computron.engine import EngineSnapshot, ModelSnapshot  # noqa: E402
-from computron.generation import CausalLMBatchManager  # noqa: E402
+from computron.batching.causal_lm import CausalLMBatchManager  # noqa: E402
 from computron.errors import (EngineDeadError, PayloadError, QueueFullError, RequestTimeoutError,  # noqa: E402
                               UnknownModelError, WorkerError)
 from computron.metrics import KVRecord, RequestRecord, StepRecord, SwapRecord  # noqa: E402

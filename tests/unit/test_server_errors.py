@@ -21,7 +21,7 @@ from serve_helpers import StubEngineBase, app_in_thread, write_checkpoints
 
 from computron import zoo_understanding as zu
 from computron.errors import PayloadError
-from computron.generation import CausalLMBatchManager
+from computron.batching.causal_lm import CausalLMBatchManager
 from computron.server import create_app
 from computron.server.config import ServerSettings
 from computron.server.text import ModelText
@@ -29,7 +29,7 @@ from computron.engine.protocol import EngineClient
 from computron.server.errors import ERROR_TABLE, to_openai, to_v2
 from computron.server.residency import Residency
 from computron.server.v2 import payload_message
-from computron.images import ImageClassificationBatchManager
+from computron.batching.images import ImageClassificationBatchManager
 
 pytestmark = pytest.mark.timeout(300)
 

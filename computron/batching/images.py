@@ -18,9 +18,9 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .batch import BatchManager, SubmitEntry, TaskEntry
-from .errors import PayloadError
-from .batching.common import check_int, labels_of, load_config, prepared, top_labels
+from .base import BatchManager, SubmitEntry, TaskEntry
+from ..errors import PayloadError
+from .common import check_int, labels_of, load_config, prepared, top_labels
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .batch import BatchManager, SubmitEntry, TaskEntry
-from .errors import PayloadError
-from .loading import has_tokenizer
-from .validation import POOLINGS, int_list
-from .batching.common import check_int, labels_of, load_config, prepared, top_labels
+from .base import BatchManager, SubmitEntry, TaskEntry
+from ..errors import PayloadError
+from ..loading import has_tokenizer
+from ..validation import POOLINGS, int_list
+from .common import check_int, labels_of, load_config, prepared, top_labels
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
 

@@ -17,10 +17,10 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .batch import BatchManager, SubmitEntry, TaskEntry
-from .errors import PayloadError
-from .messages import BatchingDefaults, SeqSpec
-from .validation import int_list, is_finite_number, is_valid_seed
+from .base import BatchManager, SubmitEntry, TaskEntry
+from ..errors import PayloadError
+from ..messages import BatchingDefaults, SeqSpec
+from ..validation import int_list, is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
 
