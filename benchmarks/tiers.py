@@ -64,7 +64,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, zoo  # noqa: E402
-from computron import messages as msg  # noqa: E402
+from computron.comm import messages as msg  # noqa: E402
 
 import tiers_floor as floor  # noqa: E402
 

@@ -98,7 +98,7 @@ def run(args, bench, work: str) -> dict:
     import tiers_floor as floor
     from computron import ModelConfig, zoo
     checkpoints, files_of, launch, log, med = bench.checkpoints, bench.files_of, bench.launch, bench.log, bench.med
-    from computron import messages as msg
+    from computron.comm import messages as msg
     paths = checkpoints(args, args.beyond_model, args.beyond_models, args.beyond_vocab)
     files = files_of(paths)
     total = sum(os.path.getsize(f) for f in files)

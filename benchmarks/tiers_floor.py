@@ -157,7 +157,7 @@ def _spans_child(paths: List[str], tp: int, pp: int, conn) -> None:
     from computron.models import StageContext, make_runner
     from computron.segments import collect_slots
     from computron.slice_reads import read_spans
-    from computron.topology import Layout
+    from computron.comm.topology import Layout
     out: Dict[int, Dict[int, list]] = {}
     try:
         for rank in range(tp * pp):

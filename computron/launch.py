@@ -31,7 +31,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import messages as msg
+from .comm import messages as msg
 from . import preflight
 from .engine.budget import check_memory
 from .config import EngineConfig, ModelConfig, check_model_configs, check_world
@@ -40,8 +40,8 @@ from .errors import LaunchError, worker_exit_reason
 from .process_setup import adopt_environment, device_for, die_with_parent, free_port, setup_logging, threads_per_worker
 from .reply_router import ReplyRouter
 from .slice_reads import prefetch_startup
-from .topology import Groups, Layout
-from .transport import WorkerChannel
+from .comm.topology import Groups, Layout
+from .comm.transport import WorkerChannel
 from .worker import Worker
 from .worker_start import in_fork_server, start_server, worker_context
 

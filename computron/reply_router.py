@@ -5,9 +5,9 @@ import logging
 import threading
 from typing import TYPE_CHECKING, List, Optional
 
-from . import messages as msg
-from .topology import Groups
-from .transport import MasterChannel
+from .comm import messages as msg
+from .comm.topology import Groups
+from .comm.transport import MasterChannel
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import messages as msg
-from . import p2p
+from .comm import messages as msg
+from .comm import p2p
 from .config import EngineConfig, ModelConfig
 from .memory import DevicePool, HostPool
 from .models.base import GenerativeRunner, ParkResult, StageRunner

@@ -7,7 +7,7 @@ import logging
 import time
 import traceback
 
-from . import messages as msg
+from .comm import messages as msg
 from .models.base import GenerativeRunner
 
 log = logging.getLogger("computron.worker")

@@ -19,8 +19,8 @@ import torch
 
 from .base import BatchManager, SubmitEntry, TaskEntry
 from ..errors import PayloadError
-from ..messages import BatchingDefaults, SeqSpec
-from ..validation import int_list, is_finite_number, is_valid_seed
+from ..comm.messages import BatchingDefaults, SeqSpec
+from ..comm.validation import int_list, is_finite_number, is_valid_seed
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
 

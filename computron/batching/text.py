@@ -40,7 +40,7 @@ import torch
 from .base import BatchManager, SubmitEntry, TaskEntry
 from ..errors import PayloadError
 from ..loading import has_tokenizer
-from ..validation import POOLINGS, int_list
+from ..comm.validation import POOLINGS, int_list
 from .common import check_int, labels_of, load_config, prepared, top_labels
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")

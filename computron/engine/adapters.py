@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Optional, Tuple
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..config import ModelConfig
 from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
 from .catalog import Catalog, Done

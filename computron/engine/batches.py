@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..batching.base import TaskEntry, take_batch
 from ..errors import PayloadError, WorkerError
 from ..metrics import BatchRecord

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import LaunchError
 from ..sched.scheduler import Scheduler

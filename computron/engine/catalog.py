@@ -23,7 +23,7 @@ import re
 from dataclasses import replace as _replace
 from typing import Any, Callable, Dict, List, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
 from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for

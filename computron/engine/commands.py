@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .. import messages as msg
+from ..comm import messages as msg
 
 log = logging.getLogger("computron.engine")
 

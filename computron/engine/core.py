@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 from .. import preflight
 from .budget import make_scheduler
 from ..config import EngineConfig, ModelConfig

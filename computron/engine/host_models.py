@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..errors import EngineDeadError, UnknownModelError, WorkerError
 from .catalog import Catalog, Done
 from .commands import CommandKind, CommandTracker

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 
 
 class Liveness:

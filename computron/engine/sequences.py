@@ -19,7 +19,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ..batching.base import SubmitEntry
 from ..errors import RequestTimeoutError
-from ..messages import SeqSpec
+from ..comm.messages import SeqSpec
 
 END = object()
 """Put on a stream's queue after its last tokens."""

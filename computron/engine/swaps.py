@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Iterable, Mapping, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..errors import WorkerError
 from ..metrics import SwapRecord
 from ..sched.scheduler import Action, ActionKind, ModelState, Reason, Scheduler

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import messages as msg
+from ..comm import messages as msg
 from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
 from ..sched.policies import choose_recompute, prefill_apart

@@ -11,7 +11,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
-from .. import messages as msg
+from ..comm import messages as msg
 from .commands import CommandKind
 from .telemetry import EngineSnapshot, ModelSnapshot
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..messages import BatchingDefaults, ParkResult, StepResult  # what generative runners return
+from ..comm.messages import BatchingDefaults, ParkResult, StepResult  # what generative runners return
 
 
 def uniform_split(n_items: int, parts: int) -> List[range]:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from .. import p2p
+from ..comm import p2p
 from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult, uniform_split
 from .registry import check_tp_divisible, decoder_family, shard_layers
 

@@ -30,8 +30,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from .. import p2p
-from ..validation import POOLINGS
+from ..comm import p2p
+from ..comm.validation import POOLINGS
 from .base import StageContext, StageRunner, uniform_split
 from .registry import check_tp_divisible, encoder_family, shard_layers
 

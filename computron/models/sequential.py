@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import p2p
+from ..comm import p2p
 from .base import StageContext, StageRunner, parallelize, uniform_split
 
 

@@ -13,8 +13,9 @@ import threading
 
 import torch
 
-from computron import EngineConfig, LaunchEngine, ModelConfig, transport, zoo
-from computron import messages as msg
+from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
+from computron.comm import transport
+from computron.comm import messages as msg
 
 SIZES = (16, 32, 32, 16)
 LAST = int(os.environ["LAST"])

@@ -12,7 +12,7 @@ import pytest
 from helpers import greedy_reference
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, UnknownModelError, zoo
-from computron import messages as msg
+from computron.comm import messages as msg
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ from computron.lora.slots import LoraSlots, TooManyAdapters
 from computron.lora.weights import load_rank_adapter
 from computron.models import StageContext, make_runner
 from computron.testing.zoo_lora import save_random_lora
-from computron.topology import Layout
+from computron.comm.topology import Layout
 
 pytestmark = pytest.mark.timeout(300)
 

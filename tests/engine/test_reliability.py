@@ -279,8 +279,8 @@ def test_heartbeat_thread_never_stops_silently(where, caplog, monkeypatch):
 
 
 def test_command_failures_carry_their_type_and_whether_they_are_only_upstream():
-    from computron import messages as msg
-    from computron.p2p import UpstreamFailed
+    from computron.comm import messages as msg
+    from computron.comm.p2p import UpstreamFailed
     from computron.worker import is_fatal_transport_error
     channel = _Replies()
     worker = _bare_worker(channel)

@@ -22,10 +22,10 @@ from helpers import greedy_reference
 from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, loading, zoo
 from computron import checkpoint as ck
 from computron import slice_reads
-from computron import messages as msg
+from computron.comm import messages as msg
 from computron.models import StageContext, make_runner
 from computron.store import HostPool, ShardStore
-from computron.topology import Layout
+from computron.comm.topology import Layout
 
 pytestmark = pytest.mark.timeout(300)
 

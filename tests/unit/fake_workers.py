@@ -31,10 +31,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from computron import messages as msg
+from computron.comm import messages as msg
 from computron.config import EngineConfig, ModelConfig
 from computron.engine import Engine
-from computron.topology import Layout
+from computron.comm.topology import Layout
 
 EOS = 2
 """The causal LMs' EOS id by default; the default rule never produces it (its tokens are 3..52)."""

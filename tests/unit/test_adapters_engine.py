@@ -15,7 +15,7 @@ from fake_workers import build_engine, expected_tokens, model_fn  # noqa: E402
 from test_engine_inprocess import async_test, gen, result, started  # noqa: E402
 from test_model_changes_inprocess import sent  # noqa: E402
 
-from computron import messages as msg  # noqa: E402
+from computron.comm import messages as msg  # noqa: E402
 from computron.config import ModelConfig  # noqa: E402
 from computron.engine import core  # noqa: E402
 from computron.errors import ModelConflictError, UnknownModelError  # noqa: E402

@@ -80,7 +80,7 @@ class OneRank:
     """What a TP=1, PP=1 runner reads of ``topology.Groups``."""
 
     def __init__(self):
-        from computron.topology import Layout
+        from computron.comm.topology import Layout
         self.layout, self.rank, self.tp_group = Layout(1, 1, 1, False), 0, None
 
     stage = property(lambda self: 0)

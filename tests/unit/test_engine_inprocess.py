@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # fake_workers, 
 
 from fake_workers import EOS, build_engine, expected_tokens, model_fn  # noqa: E402
 
-from computron import messages as msg  # noqa: E402
+from computron.comm import messages as msg  # noqa: E402
 from computron.batching.base import BatchManager, TaskEntry  # noqa: E402
 from computron.config import ModelConfig  # noqa: E402
 from computron.engine import EngineSnapshot, ModelSnapshot  # noqa: E402

@@ -54,7 +54,7 @@ def test_a_policy_object_is_used_as_given():
 
 
 def test_make_scheduler_passes_the_eviction_policy():
-    from computron import messages as msg
+    from computron.comm import messages as msg
     from computron.engine.budget import make_scheduler
     from computron.config import ModelConfig
     workers = [msg.WorkerReady(rank=0, pid=1, host="h", device="cpu", host_bytes={"a": 100, "b": 300})]

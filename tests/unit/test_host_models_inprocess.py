@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # fake_workers, 
 from fake_workers import build_engine, model_fn  # noqa: E402
 from test_engine_inprocess import async_test, result  # noqa: E402
 
-from computron import messages as msg  # noqa: E402
+from computron.comm import messages as msg  # noqa: E402
 from computron.config import ModelConfig  # noqa: E402
 from computron.errors import UnknownModelError, WorkerError  # noqa: E402
 

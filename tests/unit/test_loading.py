@@ -5,7 +5,7 @@ import torch
 from computron import ModelConfig, loading
 from computron import checkpoint as ck
 from computron.models import registry
-from computron.validation import is_finite_number, is_valid_seed
+from computron.comm.validation import is_finite_number, is_valid_seed
 
 
 def test_old_fixture_names_still_import_and_share_the_loaders():

@@ -26,7 +26,7 @@ def is_finite_number(x) -> bool:
 def int_list(data: Dict[str, Any], key: str) -> List[int]:
     """``data[key]`` as a list of ints: a list or tuple of ints, or a 1-D integer tensor (``[1, n]`` taken
     as ``[n]``); ``PayloadError`` naming ``key`` otherwise."""
-    from .errors import PayloadError
+    from ..errors import PayloadError
     v = data[key]
     if hasattr(v, "dim") and hasattr(v, "tolist"):  # a tensor, without importing torch here
         if v.dim() == 2 and v.shape[0] == 1:
