@@ -308,9 +308,9 @@ def parse_args(argv=None):
 def worker_threads(n_workers: int) -> int:
     """The torch threads each worker gets, as the launcher picks them (so the limit copy uses as many)."""
     try:
-        from computron.process_setup import threads_per_worker as pick
+        from computron.runtime.process_setup import threads_per_worker as pick
     except ImportError:  # an older tree: the launcher's own helper
-        from computron import launch
+        from computron.runtime import launch
         pick = getattr(launch, "_threads_per_worker", None)
     if pick is not None:
         try:

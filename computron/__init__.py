@@ -16,7 +16,7 @@ _EXPORTS = {
                 "RequestTimeoutError", "WorkerError", "EngineDeadError", "LaunchError", "ModelConflictError",
                 "ModelChangeError"),
     ".batching.causal_lm": ("CausalLMBatchManager", "OPTBatchManager"),
-    ".launch": ("LaunchEngine", "launch_computron"),
+    ".runtime.launch": ("LaunchEngine", "launch_computron"),
     ".metrics": ("BatchRecord", "RequestRecord", "SwapRecord"),
     ".sched.scheduler": ("ModelState", "Scheduler"),
     ".batching.images": ("ImageClassificationBatchManager",),

@@ -118,7 +118,7 @@ class EngineGroup:
 
     def __init__(self, group: int, engine_config, model_configs: Sequence[Any], tp: int = 1, pp: int = 1,
                  tags: Optional[Dict[str, int]] = None):
-        from ..launch import LaunchEngine
+        from ..runtime.launch import LaunchEngine
         self.group = group
         self.incarnation = uuid.uuid4().hex[:12]
         if engine_config.log_dir:  # one directory per group: the ranks' file names repeat

@@ -155,7 +155,7 @@ def prepare(cfg: ServeConfig):
 async def serve(cfg: ServeConfig, sock, configs, served) -> int:
     """Start the engine, then serve HTTP on ``sock`` (bound by ``preflight.reserve_port``) until a signal."""
     from ..errors import LaunchError
-    from ..launch import LaunchEngine
+    from ..runtime.launch import LaunchEngine
     log.info("starting %d workers (TP=%d x PP=%d) for %d models: %s; max_loaded=%d", cfg.tp * cfg.pp, cfg.tp,
              cfg.pp, len(cfg.models), ", ".join(f"{m.id} ({m.path or f'LoRA {m.adapter} on {m.base}'})"
                                          for m in cfg.models) or "none yet",
@@ -246,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, PreflightError) as exc:
         return _config_error(exc)
     with sock:  # held until the server listens on it, closed on every way out
-        from ..worker_start import start_fork_server
+        from ..runtime.worker_start import start_fork_server
         stop_early_server = None if args.ray else start_fork_server(cfg.engine)  # imports beside prepare's
         try:
             prepared = prepare(cfg)

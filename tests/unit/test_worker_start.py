@@ -3,7 +3,7 @@
 import psutil
 
 from computron import EngineConfig
-from computron.worker_start import start_fork_server, worker_context
+from computron.runtime.worker_start import start_fork_server, worker_context
 
 
 def test_cpu_workers_fork_from_the_server_and_cuda_or_spawn_ones_start_nothing_early():

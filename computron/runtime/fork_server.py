@@ -14,8 +14,9 @@ import os
 
 from .worker_start import in_fork_server
 
-WORKER_IMPORTS = ("computron.launch", "computron.loading", "computron.models.causal_lm", "torch.distributed.tensor",
-                  "transformers.models.opt.modeling_opt", "transformers.models.llama.modeling_llama")
+WORKER_IMPORTS = ("computron.runtime.launch", "computron.loading", "computron.models.causal_lm",
+                  "torch.distributed.tensor", "transformers.models.opt.modeling_opt",
+                  "transformers.models.llama.modeling_llama")
 
 
 for _name in WORKER_IMPORTS:

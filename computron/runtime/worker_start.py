@@ -10,9 +10,9 @@ import sys
 from multiprocessing import forkserver, resource_tracker
 from typing import Callable, Optional
 
-from .config import EngineConfig
+from ..config import EngineConfig
 
-FORK_SERVER_PRELOAD = ["computron.fork_server"]
+FORK_SERVER_PRELOAD = ["computron.runtime.fork_server"]
 
 
 def in_fork_server() -> bool:

@@ -31,18 +31,19 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .comm import messages as msg
-from . import preflight
-from .engine.budget import check_memory
-from .config import EngineConfig, ModelConfig, check_model_configs, check_world
-from .engine import Engine
-from .errors import LaunchError, worker_exit_reason
-from .process_setup import adopt_environment, device_for, die_with_parent, free_port, setup_logging, threads_per_worker
+from ..comm import messages as msg
+from .. import preflight
+from ..engine.budget import check_memory
+from ..config import EngineConfig, ModelConfig, check_model_configs, check_world
+from ..engine import Engine
+from ..errors import LaunchError, worker_exit_reason
+from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, setup_logging,
+                            threads_per_worker)
 from .reply_router import ReplyRouter
-from .slice_reads import prefetch_startup
-from .comm.topology import Groups, Layout
-from .comm.transport import WorkerChannel
-from .worker import Worker
+from ..slice_reads import prefetch_startup
+from ..comm.topology import Groups, Layout
+from ..comm.transport import WorkerChannel
+from ..worker import Worker
 from .worker_start import in_fork_server, start_server, worker_context
 
 log = logging.getLogger("computron.launch")
@@ -71,7 +72,7 @@ def LaunchEngine(engine_config: EngineConfig, model_configs: List[ModelConfig], 
     else:
         engine = _spawn(engine_config, configs, tp_world_size, pp_world_size, n_nodes, node_rank)
     if engine is not None and adapters:
-        from .engine.adapters import add_at_launch
+        from ..engine.adapters import add_at_launch
         add_at_launch(engine, adapters, engine_config.start_timeout_s)
     return engine
 

@@ -5,12 +5,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING, List, Optional
 
-from .comm import messages as msg
-from .comm.topology import Groups
-from .comm.transport import MasterChannel
+from ..comm import messages as msg
+from ..comm.topology import Groups
+from ..comm.transport import MasterChannel
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 log = logging.getLogger("computron.launch")
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .config import EngineConfig
+from ..config import EngineConfig
 
 
 def free_port(host: str) -> int:
