@@ -2,7 +2,7 @@
 
 A planner that sees more than this engine (``cluster/placement.py``: which models each engine group keeps in
 host memory) decides; here the set goes to every rank (``messages.SetHostModels``), which sends those shards
-to disk last of all and reads the ones on disk ahead of their next load (``worker_host.py``). The set names
+to disk last of all and reads the ones on disk ahead of their next load (``worker/host_tier.py``). The set names
 served ids; the ranks know versions by key, so a planned id's new version (``replace_model``) is sent again
 once it is served, and an id removed leaves the set. Without ``host_budget`` every shard stays in host
 memory anyway: the call is a no-op that says so.

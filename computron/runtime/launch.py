@@ -43,7 +43,7 @@ from .reply_router import ReplyRouter
 from ..slice_reads import prefetch_startup
 from ..comm.topology import Groups, Layout
 from ..comm.transport import WorkerChannel
-from ..worker import Worker
+from ..worker.worker import Worker
 from .worker_start import in_fork_server, start_server, worker_context
 
 log = logging.getLogger("computron.launch")

@@ -258,7 +258,7 @@ class _Replies:
 
 
 def _bare_worker(channel):
-    from computron.worker import Worker
+    from computron.worker.worker import Worker
     return Worker(0, None, channel, [], EngineConfig(), torch.device("cpu"))
 
 
@@ -281,7 +281,7 @@ def test_heartbeat_thread_never_stops_silently(where, caplog, monkeypatch):
 def test_command_failures_carry_their_type_and_whether_they_are_only_upstream():
     from computron.comm import messages as msg
     from computron.comm.p2p import UpstreamFailed
-    from computron.worker import is_fatal_transport_error
+    from computron.worker.worker import is_fatal_transport_error
     channel = _Replies()
     worker = _bare_worker(channel)
     own = worker._failure(3, "m", ValueError("bad"))

@@ -18,7 +18,7 @@ from typing import Dict, FrozenSet, List, Tuple
 
 import torch
 
-from .comm import messages as msg
+from ..comm import messages as msg
 from .shard_builder import BackgroundBuilds
 
 log = logging.getLogger("computron.worker")

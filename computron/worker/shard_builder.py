@@ -28,13 +28,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .config import EngineConfig, ModelConfig
-from .loading import checkpoint_of
-from .models import StageContext, make_runner
-from .models.base import StageRunner
-from .niceness import lower_this_thread
-from .paper_store import PaperStore
-from .store import ShardStore, Store
+from ..config import EngineConfig, ModelConfig
+from ..loading import checkpoint_of
+from ..models import StageContext, make_runner
+from ..models.base import StageRunner
+from ..niceness import lower_this_thread
+from ..paper_store import PaperStore
+from ..store import ShardStore, Store
 
 log = logging.getLogger("computron.worker")
 
@@ -106,7 +106,7 @@ class ShardBuilder:
 
     def _from_checkpoint(self, mid: str, mc: ModelConfig, ctx: StageContext):
         """(runner, source) built from checkpoint slices, or (None, None) to use model_fn."""
-        from . import checkpoint as ck
+        from .. import checkpoint as ck
         where = checkpoint_of(mc)
         if where is None or self.config.paper_mode:
             return None, None
@@ -126,7 +126,7 @@ class ShardBuilder:
 class BackgroundBuilds:
     """One thread that runs the builds of models added while serving, one at a time, in the order their
     commands arrived (the same on every rank); or, named otherwise, other background work of a worker (the
-    reads ahead of ``worker_host``: mostly I/O, so ``switch_interval_s`` None leaves the GIL's alone)."""
+    reads ahead of ``host_tier``: mostly I/O, so ``switch_interval_s`` None leaves the GIL's alone)."""
 
     def __init__(self, rank: int, what: str = "build", switch_interval_s: Optional[float] = BUILD_SWITCH_INTERVAL_S):
         self._rank = rank

@@ -3,7 +3,7 @@
 Models added while serving are built on a thread beside the command loop
 (``shard_builder.BackgroundBuilds``) and removed on the loop itself. Under
 ``host_budget``, which shards stay in host memory (and the models kept there by
-plan, read ahead of their loads) is ``worker_host.HostTier``'s business.
+plan, read ahead of their loads) is ``host_tier.HostTier``'s business.
 
 Commands arrive in the same order on every rank. LOAD starts an asynchronous
 copy and returns at once, so batches of other models keep running meanwhile;
@@ -24,15 +24,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .comm import messages as msg
-from .comm import p2p
-from .config import EngineConfig, ModelConfig
-from .memory import DevicePool, HostPool
-from .models.base import GenerativeRunner, ParkResult, StageRunner
+from ..comm import messages as msg
+from ..comm import p2p
+from ..config import EngineConfig, ModelConfig
+from ..memory import DevicePool, HostPool
+from ..models.base import GenerativeRunner, ParkResult, StageRunner
 from .shard_builder import BackgroundBuilds, ShardBuilder
-from .worker_changes import ModelChanges
-from .worker_host import HostTier
-from .store import Store
+from .changes import ModelChanges
+from .host_tier import HostTier
+from ..store import Store
 
 log = logging.getLogger("computron.worker")
 

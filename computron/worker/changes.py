@@ -7,8 +7,8 @@ import logging
 import time
 import traceback
 
-from .comm import messages as msg
-from .models.base import GenerativeRunner
+from ..comm import messages as msg
+from ..models.base import GenerativeRunner
 
 log = logging.getLogger("computron.worker")
 
@@ -76,8 +76,8 @@ class ModelChanges:
             host_resident=self.host_resident()))
 
     def _on_add_adapter(self, cmd: msg.AddAdapter) -> None:
-        from .lora.slots import LoraSlots
-        from .lora.weights import load_rank_adapter
+        from ..lora.slots import LoraSlots
+        from ..lora.weights import load_rank_adapter
         t0 = time.perf_counter()
         runner = self.runners.get(cmd.model_id)
         if not isinstance(runner, GenerativeRunner) or not hasattr(runner, "layer_ids"):
