@@ -153,10 +153,10 @@ def _spans_child(paths: List[str], tp: int, pp: int, conn) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from computron import ModelConfig, zoo
-    from computron import checkpoint as ck
+    from computron.storage import checkpoint as ck
     from computron.models import StageContext, make_runner
-    from computron.segments import collect_slots
-    from computron.slice_reads import read_spans
+    from computron.storage.segments import collect_slots
+    from computron.storage.slice_reads import read_spans
     from computron.comm.topology import Layout
     out: Dict[int, Dict[int, list]] = {}
     try:

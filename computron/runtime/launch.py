@@ -40,7 +40,7 @@ from ..errors import LaunchError, worker_exit_reason
 from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, setup_logging,
                             threads_per_worker)
 from .reply_router import ReplyRouter
-from ..slice_reads import prefetch_startup
+from ..storage.slice_reads import prefetch_startup
 from ..comm.topology import Groups, Layout
 from ..comm.transport import WorkerChannel
 from ..worker.worker import Worker

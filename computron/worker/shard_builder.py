@@ -33,8 +33,8 @@ from ..loading import checkpoint_of
 from ..models import StageContext, make_runner
 from ..models.base import StageRunner
 from ..niceness import lower_this_thread
-from ..paper_store import PaperStore
-from ..store import ShardStore, Store
+from ..storage.paper_store import PaperStore
+from ..storage.store import ShardStore, Store
 
 log = logging.getLogger("computron.worker")
 
@@ -106,7 +106,7 @@ class ShardBuilder:
 
     def _from_checkpoint(self, mid: str, mc: ModelConfig, ctx: StageContext):
         """(runner, source) built from checkpoint slices, or (None, None) to use model_fn."""
-        from .. import checkpoint as ck
+        from ..storage import checkpoint as ck
         where = checkpoint_of(mc)
         if where is None or self.config.paper_mode:
             return None, None

@@ -27,12 +27,12 @@ import torch
 from ..comm import messages as msg
 from ..comm import p2p
 from ..config import EngineConfig, ModelConfig
-from ..memory import DevicePool, HostPool
+from ..storage.memory import DevicePool, HostPool
 from ..models.base import GenerativeRunner, ParkResult, StageRunner
 from .shard_builder import BackgroundBuilds, ShardBuilder
 from .changes import ModelChanges
 from .host_tier import HostTier
-from ..store import Store
+from ..storage.store import Store
 
 log = logging.getLogger("computron.worker")
 

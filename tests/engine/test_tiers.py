@@ -20,11 +20,11 @@ import torch.distributed as dist
 from helpers import greedy_reference
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, loading, zoo
-from computron import checkpoint as ck
-from computron import slice_reads
+from computron.storage import checkpoint as ck
+from computron.storage import slice_reads
 from computron.comm import messages as msg
 from computron.models import StageContext, make_runner
-from computron.store import HostPool, ShardStore
+from computron.storage.store import HostPool, ShardStore
 from computron.comm.topology import Layout
 
 pytestmark = pytest.mark.timeout(300)
@@ -292,12 +292,13 @@ def test_a_disk_read_does_not_hold_up_a_load_from_host(checkpoints, monkeypatch)
     _, slow = _store_tp1(checkpoints["opt1"], "slow", keep_host=False)
     _, fast = _store_tp1(checkpoints["opt2"], "fast")
     gate = threading.Event()
-    real_open = slow.source.open
+    real_open = slice_reads.open_reader
 
-    def gated_open():
-        assert gate.wait(60)
-        return real_open()
-    monkeypatch.setattr(slow.source, "open", gated_open)
+    def gated_open(source):
+        if source is slow.source:
+            assert gate.wait(60)
+        return real_open(source)
+    monkeypatch.setattr(slice_reads, "open_reader", gated_open)
     slow_done = threading.Event()
     slow.begin_load(lambda *a: slow_done.set())
     assert _load(fast)["error"] is None  # while the disk read is held up

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._torch_compat import local_tensor as _local  # the tensor that holds a parameter's data
+from .._torch_compat import local_tensor as _local  # the tensor that holds a parameter's data
 
 
 @dataclass

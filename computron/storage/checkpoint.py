@@ -31,9 +31,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._torch_compat import (direct_tensor, direct_tensors, local_shape_and_offset, local_tensor, map_tensors,
-                            set_parameter)
-from .loading import DTYPES, architecture_class, torch_dtype
+from .._torch_compat import (direct_tensor, direct_tensors, local_shape_and_offset, local_tensor, map_tensors,
+                             set_parameter)
+from ..loading import DTYPES, architecture_class, torch_dtype
 
 log = logging.getLogger("computron.checkpoint")
 
@@ -155,7 +155,7 @@ def meta_model(path: str, dtype: Optional[str] = None, model_id: str = ""):
     """The model of checkpoint ``path`` with its parameters on the meta device, and the map
     ``(id(module), attr) -> checkpoint names`` that ``CheckpointSource`` needs (keep it until then)."""
     from transformers import AutoConfig
-    from .models import causal_lm_family, encoder_family
+    from ..models import causal_lm_family, encoder_family
     weight_files(path)  # Unsupported without safetensors
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     cls = architecture_class(config)
