@@ -9,11 +9,11 @@ STAMP  := $(VENV)/.computron-installed
 TORCH       := torch==2.13.0
 DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout pytest-xdist psutil \
                fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]" peft \
-               "ray>=2.40"
+               "ray>=2.40" ruff
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 
-.PHONY: setup browser demo test test-unit bench bench-gen bench-burst bench-http clean
+.PHONY: setup browser demo test test-unit lint bench bench-gen bench-burst bench-http clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,9 @@ demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` o
 # processes they start (in one process the suite kept 0.83 of one core busy); a third worker gained little.
 test: setup browser
 	$(PY) -m pytest -q -n 2 --dist loadfile --timeout 900 tests
+
+lint: setup  # ruff, as configured in pyproject.toml (tool settings only)
+	$(PY) -m ruff check .
 
 test-unit: setup  # seconds: the tests that start no process (tests/unit; also `pytest -m unit`)
 	$(PY) -m pytest -q --timeout 120 tests/unit

@@ -13,7 +13,7 @@ setup(
     extras_require={
         "experiments": ["matplotlib"],
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "psutil", "openai", "httpx", "selenium",
-                 "tritonclient[http]"],
+                 "tritonclient[http]", "ruff"],
         "launcher": ["psutil", "click", "fabric"],
         "ray": ["ray>=2.40"],
     },

@@ -71,13 +71,14 @@ async def one_way(engine, args, way: str) -> dict:
     steps = [s for s in engine.metrics("step")[before:] if s.admitted and s.running > s.admitted]
     forward = [max(e - b for b, e in s.rank_times.values()) for s in steps]
     policies.APART_MIN_WASTE.update(DEFAULT_WASTE)
-    return {"admission_steps": len(steps), "step_s": statistics.median(forward), "request_s": statistics.median(latencies),
-            "tokens": tokens}
+    return {"admission_steps": len(steps), "step_s": statistics.median(forward),
+            "request_s": statistics.median(latencies), "tokens": tokens}
 
 
 async def run(args) -> dict:
     from computron import EngineConfig, LaunchEngine, ModelConfig, zoo
-    path = zoo.save_random_causal_lm(args.model, os.path.join(tempfile.gettempdir(), f"computron-admission-{args.model}"))
+    path = zoo.save_random_causal_lm(args.model,
+                                     os.path.join(tempfile.gettempdir(), f"computron-admission-{args.model}"))
     config = EngineConfig(max_loaded=1, max_batch_size=args.running + 1)
     engine = await asyncio.to_thread(LaunchEngine, config, [ModelConfig("lm", zoo.load_causal_lm, {"path": path})],
                                      args.tp)

@@ -151,7 +151,8 @@ async def run(args, path):
     s_added = [h - p for h, p in zip(rows["s_http"], rows["s_inproc"])]
     per_tok = [a / n for a, n in zip(s_added, n_tokens)]
     r3 = lambda x: round(x, 3)  # noqa: E731
-    out = {"bench": "http", "client": args.client, "n": args.n, "tp": args.tp, "model": "opt-tiny", "max_tokens": args.max_tokens,
+    out = {"bench": "http", "client": args.client, "n": args.n, "tp": args.tp, "model": "opt-tiny",
+           "max_tokens": args.max_tokens,
            "tokens_per_request": statistics.median(n_tokens),
            "inproc_ms_p50": r3(pct(rows["inproc"], 50)), "http_ms_p50": r3(pct(rows["http"], 50)),
            "added_ms_p50": r3(pct(added, 50)), "added_ms_p99": r3(pct(added, 99)),

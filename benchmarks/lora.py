@@ -289,7 +289,8 @@ def main(argv=None):
            "mixed_batch_tokens_per_s_ratio": a["mixed_tokens_per_s"] / a["bare_tokens_per_s"],
            "adapter_load_vs_base_load": a["adapter_fill_s"] / a["base_load_s"],
            # the merged engine sustaining none of the rates: the ratio is above ours / the lowest rate tried
-           "rate_ratio_vs_merged": a["sustainable_rate"] / (m["sustainable_rate"] or min(float(x) for x in args.rates.split(","))),
+           "rate_ratio_vs_merged": a["sustainable_rate"] / (m["sustainable_rate"]
+                                                             or min(float(x) for x in args.rates.split(","))),
            "rate_ratio_vs_merged_is_lower_bound": not m["sustainable_rate"],
            "rate_ratio_measure": "sustainable rate (adapters / merged): the highest rate tried whose p90 latency "
                                  "stays within slo_factor x a lone request's latency, same traces",

@@ -2,8 +2,9 @@
 
 Both servers get the same workload over HTTP (httpx, OpenAI's /v1/completions, greedy): first the requests
 one at a time, round robin over the three models, then all of them at once. computron runs with
-``--max-loaded`` (default 1: every model change is a swap; 3 keeps all resident, as the peer does); ``transformers serve`` loads a model on its first request
-and keeps it until ``--model-timeout`` seconds idle (here: longer than the run), so it holds all three.
+``--max-loaded`` (default 1: every model change is a swap; 3 keeps all resident, as the peer does);
+``transformers serve`` loads a model on its first request and keeps it until ``--model-timeout`` seconds idle
+(here: longer than the run), so it holds all three.
 Greedy answers must be the same text on both (the same weights and tokenizers); the JSON line says how
 many were.
 
@@ -112,7 +113,8 @@ def main():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     names = [f"m{i}={p}" for i, p in enumerate(paths)]
-    proc, log = start([sys.executable, "-m", "computron", "serve", *names, "--tp", str(args.tp), "--max-loaded", str(args.max_loaded),
+    proc, log = start([sys.executable, "-m", "computron", "serve", *names, "--tp", str(args.tp),
+                       "--max-loaded", str(args.max_loaded),
                        "--port", str(port), "--log-level", "warning"], url,
                       os.path.join(args.ckpt_dir, "computron-serve.log"), env)
     try:

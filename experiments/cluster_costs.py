@@ -125,7 +125,7 @@ def load_costs(spec: str) -> Costs:
         with open(spec) as f:
             doc = json.load(f)
     except FileNotFoundError:
-        raise SystemExit(f"--costs {spec!r}: neither a built-in profile ({', '.join(PROFILES)}) nor a file")
+        raise SystemExit(f"--costs {spec!r}: neither a built-in profile ({', '.join(PROFILES)}) nor a file") from None
     return Costs.from_json(doc.get("costs", doc))
 
 

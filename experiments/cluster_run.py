@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second, all models together")
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--cv", type=float, default=1.0)
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals (~230 requests at 2/s: a p99 that is not one request)")
+    ap.add_argument("--duration", type=float, default=120.0,
+                    help="seconds of arrivals (~230 requests at 2/s: a p99 that is not one request)")
     ap.add_argument("--mean-tokens", type=float, default=16.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router", default="swap-aware", choices=["swap-aware", "round-robin"])

@@ -25,8 +25,9 @@ at ``--rate`` (doubling then bisection over G, which assumes attainment grows wi
 missed more than the target allows; ``null``: not reached with ``--g-max`` groups, and ``at_g_max`` says how
 close it came); ``groups_needed_ratio_vs_ray_mux`` = groups(swap_aware) / groups(ray_mux) at the profile's
 objective (``..._by_slo`` for each; where Ray's rules never reach the target within ``--g-max`` groups, it is
-groups(swap_aware) / g_max, an upper bound, and ``..._is_upper_bound`` says so); the attainment against the rates of ``--rates`` for each group count of
-``--groups`` (``curves``); ``router_us_per_route``, the swap-aware router's cost per request (100 models x 8
+groups(swap_aware) / g_max, an upper bound, and ``..._is_upper_bound`` says so); the attainment against the
+rates of ``--rates`` for each group count of ``--groups`` (``curves``); ``router_us_per_route``, the
+swap-aware router's cost per request (100 models x 8
 groups, this machine). The full JSON and ``cluster_sim_attainment.png`` go to ``results/cluster_sim/`` unless
 ``--out`` / ``--plot-dir`` say otherwise (the tracked ``experiments/data`` and ``figures`` need ``--publish``).
 

@@ -176,7 +176,8 @@ def print_summary(doc: dict, file=sys.stdout) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("-c", "--config", type=int, default=0, help=f"index into workload.CONFIGS (0..{len(workload.CONFIGS) - 1})")
+    ap.add_argument("-c", "--config", type=int, default=0,
+                    help=f"index into workload.CONFIGS (0..{len(workload.CONFIGS) - 1})")
     ap.add_argument("-t", "--tp-world-size", type=int, default=1)
     ap.add_argument("-p", "--pp-world-size", type=int, default=1)
     ap.add_argument("-b", "--batch-size", type=int, default=8, help="CausalLMBatchManager max_batch_size")

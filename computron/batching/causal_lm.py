@@ -17,10 +17,10 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .base import BatchManager, SubmitEntry, TaskEntry
-from ..errors import PayloadError
 from ..comm.messages import BatchingDefaults, SeqSpec
 from ..comm.validation import int_list, is_finite_number, is_valid_seed
+from ..errors import PayloadError
+from .base import BatchManager, SubmitEntry, TaskEntry
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
 

@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import BatchManager
 from ..errors import PayloadError
+from .base import BatchManager
 
 
 def check_int(data: Dict[str, Any], key: str, lo: int = 1) -> None:

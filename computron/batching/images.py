@@ -18,8 +18,8 @@ from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import BatchManager, SubmitEntry, TaskEntry
 from ..errors import PayloadError
+from .base import BatchManager, SubmitEntry, TaskEntry
 from .common import check_int, labels_of, load_config, prepared, top_labels
 
 

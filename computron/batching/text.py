@@ -31,17 +31,16 @@ or corrupt file fails its own request at once, not a batch.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import BatchManager, SubmitEntry, TaskEntry
+from ..comm.validation import POOLINGS, int_list
 from ..errors import PayloadError
 from ..loading import has_tokenizer
-from ..comm.validation import POOLINGS, int_list
-from .common import check_int, labels_of, load_config, prepared, top_labels
+from .base import BatchManager, SubmitEntry, TaskEntry
+from .common import check_int, labels_of, load_config, prepared, scores_of, top_labels
 
 _TEXT_FIELDS = ("input_ids", "attention_mask", "token_type_ids", "text", "text_pair")
 
@@ -254,7 +253,7 @@ class TextClassificationBatchManager(_TextBatching):
                 out.append((uid, top_labels(logits[i], self.labels, top_k[i] if top_k else 1, self.problem_type)))
                 continue
             row = logits[i, :lengths[i]] if lengths else logits[i]
-            scores = _scores(row.float(), self.problem_type)
+            scores = scores_of(row.float(), self.problem_type)
             best, idx = scores.max(-1)
             answer = {"labels": [self.labels[int(j)] for j in idx.tolist()],
                       "scores": [float(s) for s in best.tolist()],

@@ -8,7 +8,6 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..engine.protocol import ClusterModelSnapshot, ClusterSnapshot, EngineSnapshot, ModelSnapshot

@@ -14,9 +14,9 @@ of it). A plan is called for once the groups have started (the first plan: equal
 when the mix of the rates moved by ``change`` or more since the last plan (total variation distance of the
 rate shares: the plan depends on the rates' proportions only), when the inputs changed (a group came up,
 went down or came back from a restart with nothing planned, a budget, a model or a first load figure
-appeared), or when a group still has to be told (a call failed); never twice within ``min_interval_s``. Groups without ``host_budget``
-keep every shard in host memory: they are left out of the plan, and when none has one nothing is planned
-(said once).
+appeared), or when a group still has to be told (a call failed); never twice within ``min_interval_s``. Groups
+without ``host_budget`` keep every shard in host memory: they are left out of the plan, and when none has one
+nothing is planned (said once).
 
 ``HostPlanning`` is ``ClusterEngine``'s half that drives it: it feeds the placement under the front's lock
 and sends the changes from the front's event loop.

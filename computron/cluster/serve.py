@@ -13,7 +13,7 @@ node at the same paths.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 log = logging.getLogger("computron.cluster")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..comm import messages as msg
 from ..batching.base import TaskEntry, take_batch
+from ..comm import messages as msg
 from ..errors import PayloadError, WorkerError
 from ..metrics import BatchRecord
 from ..sched.scheduler import Scheduler

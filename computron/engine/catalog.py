@@ -23,14 +23,14 @@ import re
 from dataclasses import replace as _replace
 from typing import Any, Callable, Dict, List, Optional
 
+from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
 from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
-from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
 from ..sched.scheduler import ModelState, Scheduler
-from .sequences import TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
+from .sequences import TokenBatch
 from .swaps import Swaps
 from .token_level import TokenLevel
 

@@ -29,23 +29,23 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
-from ..comm import messages as msg
 from .. import preflight
-from .budget import make_scheduler
+from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
+from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
-from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
 from ..lora.adapter import check_adapter_config
 from ..sched.scheduler import ActionKind
-from .sequences import TokenBatch, consume
-from .batches import RequestLevel
 from .adapters import Adapters
+from .batches import RequestLevel
+from .budget import make_scheduler
 from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .host_models import HostModels, HostModelsControl
 from .liveness import Liveness
 from .preparation import preparation_pool
 from .requests import RequestTable
+from .sequences import TokenBatch, consume
 from .swaps import Swaps
 from .telemetry import Telemetry
 from .token_level import TokenLevel

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ..batching.base import SubmitEntry
-from ..errors import RequestTimeoutError
 from ..comm.messages import SeqSpec
+from ..errors import RequestTimeoutError
 
 END = object()
 """Put on a stream's queue after its last tokens."""

@@ -15,10 +15,8 @@ import itertools
 import logging
 import time
 from collections import Counter, defaultdict, deque
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-from .protocol import EngineSnapshot, ModelSnapshot
 
 log = logging.getLogger("computron.engine")
 

@@ -21,9 +21,9 @@ from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
 from ..sched.policies import choose_recompute, prefill_apart
 from ..sched.scheduler import Scheduler
-from .sequences import Cancelled, Request, TokenBatch
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
+from .sequences import Cancelled, Request, TokenBatch
 from .telemetry import Telemetry
 
 log = logging.getLogger("computron.engine")

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..comm import messages as msg
 from .commands import CommandKind
-from .telemetry import EngineSnapshot, ModelSnapshot
+from .protocol import EngineSnapshot, ModelSnapshot
 
 
 class EngineViews:

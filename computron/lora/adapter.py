@@ -337,5 +337,5 @@ def check_adapter_config(mc, base, max_rank: int) -> AdapterInfo:
     return info
 
 
-__all__ = ["AdapterError", "AdapterInfo", "check_adapter", "check_adapter_config", "linear_shapes", "tensor_key_pattern",
-           "family_of_config", "read_safetensors_header", "CONFIG_NAME", "WEIGHTS_NAME"]
+__all__ = ["AdapterError", "AdapterInfo", "check_adapter", "check_adapter_config", "linear_shapes",
+           "tensor_key_pattern", "family_of_config", "read_safetensors_header", "CONFIG_NAME", "WEIGHTS_NAME"]

@@ -6,9 +6,8 @@ ready or its start-up traceback over a pipe; the master waits on those pipes and
 sentinels together, so a worker that dies during start-up fails the launch at once. Workers die with
 the master (a watcher thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
 
-Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``):
-global rank 0 hosts the master next to worker 0 and returns the engine; the
-other ranks serve until shutdown and return None.
+Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``): global rank 0 hosts the master
+next to worker 0 and returns the engine; the other ranks serve until shutdown and return None.
 
 Each process's own set-up (logging, threads, device) is in ``process_setup.py``; where the
 master's replies go before and after the engine exists, in ``reply_router.py``.
@@ -31,19 +30,19 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import messages as msg
 from .. import preflight
-from ..engine.budget import check_memory
+from ..comm import messages as msg
+from ..comm.topology import Groups, Layout
+from ..comm.transport import WorkerChannel
 from ..config import EngineConfig, ModelConfig, check_model_configs, check_world
 from ..engine import Engine
+from ..engine.budget import check_memory
 from ..errors import LaunchError, worker_exit_reason
+from ..storage.slice_reads import prefetch_startup
+from ..worker.worker import Worker
 from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, setup_logging,
                             threads_per_worker)
 from .reply_router import ReplyRouter
-from ..storage.slice_reads import prefetch_startup
-from ..comm.topology import Groups, Layout
-from ..comm.transport import WorkerChannel
-from ..worker.worker import Worker
 from .worker_start import in_fork_server, start_server, worker_context
 
 log = logging.getLogger("computron.launch")

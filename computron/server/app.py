@@ -32,11 +32,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.protocol import EngineClient
 from ..errors import ComputronError
 from . import status
 from .building import BuiltModel, ServedModel
+from .building import UnderstandingModel
 from .config import ServerSettings
-from ..engine.protocol import EngineClient
 from .errors import ERROR_TABLE, APIError, V2Error, bad, to_openai, to_v2
 from .http import error_response
 from .openai import lora_routes
@@ -45,7 +46,6 @@ from .state import ServerState, served_models
 from .text import ModelText
 from .v2 import repository as v2_repository
 from .v2 import routes as v2_routes
-from .building import UnderstandingModel
 
 log = logging.getLogger("computron.server")
 

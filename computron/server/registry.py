@@ -40,10 +40,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
+from ..engine.protocol import EngineClient
 from ..errors import EngineDeadError, ModelChangeError, ModelConflictError, RequestTimeoutError, UnknownModelError
 from .building import BuiltModel, ServedModel, build_adapter, entry_for
 from .config import ModelEntry
-from ..engine.protocol import EngineClient
 from .repository import ModelRepository
 
 log = logging.getLogger("computron.server")

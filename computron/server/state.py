@@ -28,10 +28,11 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..engine.protocol import EngineClient
 from ..errors import EngineDeadError, PayloadError, UnknownModelError
 from .building import BuiltModel, ServedModel, build_model
+from .building import UnderstandingModel
 from .config import ServerSettings
-from ..engine.protocol import EngineClient
 from .errors import APIError, V2Error
 from .http import error_response, unless_disconnected
 from .metrics import ServerMetrics
@@ -39,7 +40,6 @@ from .model_kind import ModelKind
 from .registry import ModelRegistry
 from .repository import ModelRepository
 from .text import ModelText
-from .building import UnderstandingModel
 
 log = logging.getLogger("computron.server")
 

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import CheckpointError, CheckpointSource, Entry, Read, Unsupported, read_header, weight_files
 from ..loading import checkpoint_of
+from .checkpoint import CheckpointError, CheckpointSource, Entry, Read, Unsupported, read_header, weight_files
 
 CHUNK_BYTES = 64 << 20
 """The scratch buffer of a read that converts dtypes."""

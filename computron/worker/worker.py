@@ -27,12 +27,12 @@ import torch
 from ..comm import messages as msg
 from ..comm import p2p
 from ..config import EngineConfig, ModelConfig
-from ..storage.memory import DevicePool, HostPool
 from ..models.base import GenerativeRunner, ParkResult, StageRunner
-from .shard_builder import BackgroundBuilds, ShardBuilder
+from ..storage.memory import DevicePool, HostPool
+from ..storage.store import Store
 from .changes import ModelChanges
 from .host_tier import HostTier
-from ..storage.store import Store
+from .shard_builder import BackgroundBuilds, ShardBuilder
 
 log = logging.getLogger("computron.worker")
 

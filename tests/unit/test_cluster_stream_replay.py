@@ -83,7 +83,8 @@ GREEDY = {"input_ids": [2, 5], "max_tokens": 5}
 
 def test_replayable():
     assert replayable(GREEDY) and replayable({**GREEDY, "temperature": 0})
-    assert replayable({**GREEDY, "temperature": 0.8, "seed": 3}) and replayable({**GREEDY, "temperature": 1, "top_k": 1})
+    assert replayable({**GREEDY, "temperature": 0.8, "seed": 3})
+    assert replayable({**GREEDY, "temperature": 1, "top_k": 1})
     assert not replayable({**GREEDY, "temperature": 0.8}) and not replayable([1, 2])
 
 

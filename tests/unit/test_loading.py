@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from computron import ModelConfig, loading
-from computron.storage import checkpoint as ck
 from computron.models import registry
 from computron.comm.validation import is_finite_number, is_valid_seed
 

@@ -24,9 +24,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from ...errors import ModelConflictError, UnknownModelError
 from ...lora.adapter import AdapterError
-from ..model_entry import _ID
 from ..errors import APIError, bad, to_openai
 from ..http import error_response, read_json
+from ..model_entry import _ID
 from ..model_kind import ModelKind
 from ..state import ServerState, api_key, served_state
 

@@ -5,9 +5,9 @@
 offered: ``EMBEDDING`` and ``IMAGE`` (and ``SEQUENCE``, ``TOKEN``) are ``ModelKind`` members kept
 under their old names.
 """
+from ..building import UnderstandingModel
 from ..errors import V2Error, payload_message
 from ..model_kind import ModelKind
-from ..building import UnderstandingModel
 from .protocol import encode_outputs, parse_infer
 
 SEQUENCE, TOKEN, EMBEDDING, IMAGE = (ModelKind.SEQUENCE_CLS, ModelKind.TOKEN_CLS, ModelKind.EMBEDDING,
