@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from functools import partial
 
 from ..comm import messages as msg
 from ..models.base import GenerativeRunner
@@ -22,22 +23,21 @@ class ModelChanges:
         if mid in self.stores:
             raise ValueError(f"model {mid!r} is already served on rank {self.rank}")
 
-        def room(nbytes: int) -> bool:
-            budget = self.config.host_budget
-            return budget is None or sum(s.host_bytes() for s in self.stores.values()) + nbytes <= budget
-
         def build() -> None:  # on the build thread
             t0 = time.perf_counter()
             try:
-                built = self._builder.build(mid, mc, room, while_serving=True)
-            except Exception as exc:  # noqa: BLE001 - reported; the rank keeps serving
-                log.warning("rank %d: building %s failed: %s\n%s", self.rank, mid, exc, traceback.format_exc())
-                self.channel.reply(self._failure(cmd.seq, mid, exc))
-                return
-            with self._registry_lock:
-                self.runners = {**self.runners, mid: built.runner}
-                self.stores = {**self.stores, mid: built.store}
-                self.model_configs = {**self.model_configs, mid: mc}
+                try:
+                    built = self._builder.build(mid, mc, partial(self._reserve_host, mid), while_serving=True)
+                except Exception as exc:  # noqa: BLE001 - reported; the rank keeps serving
+                    log.warning("rank %d: building %s failed: %s\n%s", self.rank, mid, exc, traceback.format_exc())
+                    self.channel.reply(self._failure(cmd.seq, mid, exc))
+                    return
+                with self._registry_lock:
+                    self.runners = {**self.runners, mid: built.runner}
+                    self.stores = {**self.stores, mid: built.store}
+                    self.model_configs = {**self.model_configs, mid: mc}
+            finally:
+                self._settle_host(mid)
             self._log_built(mid, built, "while serving")
             runner = built.runner
             self.channel.reply(msg.ModelAdded(
@@ -66,8 +66,8 @@ class ModelChanges:
                 store.close()
             self.host_kept = self.host_kept - {mid}
             if self.host_pool is not None and self.config.host_budget is not None:
-                used = sum(s.host_bytes() for s in self.stores.values())
-                self.host_pool.trim(max(0, self.config.host_budget - used))
+                with self._host_lock:
+                    self.host_pool.trim(max(0, self.config.host_budget - self._host_used()))
             log.info("rank %d removed %s (%.1f MB shard) in %.1f ms", self.rank, mid, store.nbytes / 2**20,
                      (time.perf_counter() - t0) * 1e3)
         self.channel.reply(msg.ModelRemoved(

@@ -40,13 +40,33 @@ class HostTier:
         read-ahead thread."""
         self._reading_ahead: Dict[str, int] = {}
         """Models being read ahead -> the host bytes their read takes (counted against the budget)."""
+        self._building: Dict[str, int] = {}
+        """Models being built (at start-up or added while serving) -> the host bytes ``_reserve_host`` let
+        their read take, counted until the built store is registered (``_settle_host``)."""
         self._read_ahead = BackgroundBuilds(self.rank, what="read-ahead", switch_interval_s=None)
 
     def _host_used(self) -> int:
         """Host bytes held, or about to be: a store resident on the device holds its whole copy (or is reading
-        it on its load thread), a read ahead the copy it is reading."""
+        it on its load thread), a read ahead or a build the copy it is reading. The one count of host memory
+        every check against ``host_budget`` makes (call it under ``_host_lock``)."""
         return (sum(s.nbytes if s.resident else s.host_bytes() for s in self.stores.values())
-                + sum(self._reading_ahead.values()))
+                + sum(self._reading_ahead.values()) + sum(self._building.values()))
+
+    def _reserve_host(self, mid: str, nbytes: int) -> bool:
+        """A build's room check (``shard_builder``'s ``host_room``): whether ``nbytes`` more fit in
+        ``host_budget`` now; if so they stay counted until ``_settle_host(mid)``, so that a read ahead
+        claimed meanwhile cannot take the same room."""
+        with self._host_lock:
+            budget = self.config.host_budget
+            if budget is not None and self._host_used() + nbytes > budget:
+                return False
+            self._building[mid] = nbytes
+            return True
+
+    def _settle_host(self, mid: str) -> None:
+        """``mid``'s build is over: its store counts its own bytes from now on (or it failed)."""
+        with self._host_lock:
+            self._building.pop(mid, None)
 
     def _to_disk_first(self, exclude) -> List[Tuple[str, object]]:
         """(id, store) of the models whose host copy may go back to disk now, the first to go first:

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import traceback
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -77,28 +78,26 @@ class Worker(ModelChanges, HostTier):
         """Build this rank's shard of every configured model (``shard_builder``), in the same order on
         every rank, into host memory while ``host_budget`` allows."""
         budget = self.config.host_budget
-        used = {"host": 0}  # models built so far that hold host memory
         read_s, read_bytes = 0.0, 0
         n = len(self.model_configs)
         t_start = time.perf_counter()
-
-        def room(nbytes: int) -> bool:
-            return budget is None or used["host"] + nbytes <= budget
-
         for k, (mid, mc) in enumerate(self.model_configs.items()):
-            built = self._builder.build(mid, mc, room)
-            self.runners[mid], self.stores[mid] = built.runner, built.store
-            used["host"] += built.store.nbytes if built.in_host else 0
+            try:
+                built = self._builder.build(mid, mc, partial(self._reserve_host, mid))
+                self.runners[mid], self.stores[mid] = built.runner, built.store
+            finally:
+                self._settle_host(mid)
             read_s, read_bytes = read_s + built.read_s, read_bytes + built.read_bytes
             self._log_built(mid, built, f"({k + 1}/{n})")
         if read_bytes:
             log.info("rank %d read %.1f MB of checkpoint slices in %.2fs = %.2f GB/s", self.rank,
                      read_bytes / 2**20, read_s, read_bytes / max(read_s, 1e-9) / 1e9)
         log.info("rank %d built all %d models in %.2fs", self.rank, n, time.perf_counter() - t_start)
-        if budget is not None and used["host"] > budget:
+        with self._host_lock:
+            used = self._host_used()
+        if budget is not None and used > budget:
             log.warning("rank %d: models without a safetensors checkpoint hold %.1f MB of host memory, over "
-                        "host_budget=%d bytes (they cannot go back to disk)", self.rank, used["host"] / 2**20,
-                        budget)
+                        "host_budget=%d bytes (they cannot go back to disk)", self.rank, used / 2**20, budget)
 
     def _log_built(self, mid: str, built, count: str) -> None:
         log.info("rank %d built %s %s: %.1f MB shard %s in %.2fs [%s]", self.rank, mid, count,
