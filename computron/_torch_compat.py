@@ -17,6 +17,8 @@ of them is fixed here, in one file.
 - ``forward_hook_ids``, ``remove_forward_hooks_since``: removing the forward hooks some library registered
   on a module without handing out their handles (``parallelize_module``'s), by the ids in
   ``Module._forward_pre_hooks`` / ``_forward_hooks``.
+- ``mark_loaded``: transformers' private ``_is_hf_initialized`` flag, which makes its weight initialisation
+  skip a tensor (what ``from_pretrained`` sets on the weights it loaded).
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ def direct_tensor(module: nn.Module, attr: str) -> Optional[torch.Tensor]:
 def set_parameter(module: nn.Module, attr: str, param: Optional[nn.Parameter]) -> None:
     """Make ``param`` the parameter ``module`` holds as ``attr``, bypassing ``register_parameter``."""
     module._parameters[attr] = param
+
+
+def mark_loaded(t: torch.Tensor) -> torch.Tensor:
+    """Flag ``t`` as loaded, so that transformers' weight initialisation leaves it alone."""
+    t._is_hf_initialized = True
+    return t
 
 
 def map_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from .._torch_compat import (direct_tensor, direct_tensors, local_shape_and_offset, local_tensor, map_tensors,
-                             set_parameter)
+                             mark_loaded, set_parameter)
 from ..loading import DTYPES, architecture_class, torch_dtype
 
 log = logging.getLogger("computron.checkpoint")
@@ -126,29 +127,36 @@ def read_entries(path: str, model_id: str = "") -> Tuple[Dict[str, Entry], Dict[
 # ---- the model, without its weights --------------------------------------------------------------
 
 
+_on_meta = threading.local()
+_patch_lock = threading.Lock()
+_plain_register_parameter = nn.Module.register_parameter
+
+
+def _register_parameter(module, name, param):
+    _plain_register_parameter(module, name, param)
+    if getattr(_on_meta, "depth", 0) and param is not None and param.device.type != "meta":
+        p = direct_tensor(module, name)
+        set_parameter(module, name, mark_loaded(type(p)(p.to("meta"), requires_grad=p.requires_grad)))
+
+
 @contextlib.contextmanager
 def params_on_meta():
-    """Parameters created inside go to the meta device; buffers stay real (accelerate's
+    """Parameters this thread creates inside go to the meta device; buffers stay real (accelerate's
     ``init_empty_weights(include_buffers=False)``), so computed buffers keep their values.
 
-    Each meta parameter is flagged ``_is_hf_initialized`` (what transformers' ``from_pretrained`` sets on
-    the weights it loaded), so that transformers' weight initialisation skips it: on meta tensors it
-    computes nothing, through torch's Python reference kernels (a third of building a model's shard)."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            p = direct_tensor(module, name)
-            meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-            meta._is_hf_initialized = True
-            set_parameter(module, name, meta)
-
-    nn.Module.register_parameter = on_meta
+    Each meta parameter is flagged loaded (``_torch_compat.mark_loaded``), so that transformers' weight
+    initialisation skips it: on meta tensors it computes nothing, through torch's Python reference kernels
+    (a third of building a model's shard). ``nn.Module.register_parameter`` is replaced once for the
+    process, but acts only on the threads inside this context: a model the command loop builds beside a
+    shard build (``worker/shard_builder.py``) keeps its real parameters."""
+    with _patch_lock:
+        if nn.Module.register_parameter is not _register_parameter:
+            nn.Module.register_parameter = _register_parameter
+    _on_meta.depth = getattr(_on_meta, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        _on_meta.depth -= 1
 
 
 def meta_model(path: str, dtype: Optional[str] = None, model_id: str = ""):
