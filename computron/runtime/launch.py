@@ -38,8 +38,8 @@ from ..config import EngineConfig, ModelConfig, check_model_configs, check_world
 from ..engine import Engine
 from ..engine.budget import check_memory
 from ..errors import LaunchError, worker_exit_reason
-from ..storage.slice_reads import prefetch_startup
 from ..worker.worker import Worker
+from .prefetch import prefetch_startup
 from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, setup_logging,
                             threads_per_worker)
 from .reply_router import ReplyRouter
