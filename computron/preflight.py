@@ -134,7 +134,7 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
-    except BaseException:
+    except BaseException:  # any way out: the socket is closed; re-raised
         s.close()
         raise
     return s

@@ -68,7 +68,7 @@ class CatalogMixin:
             if error is not None:
                 await asyncio.gather(*(self._call(i, "remove_model", mid, False) for i in ok), return_exceptions=True)
                 raise error
-        except BaseException:
+        except BaseException:  # cancellation too: the catalog entry is taken back; re-raised
             with self._lock:
                 if self._catalog.get(mid, (None, None))[1] == tag:
                     del self._catalog[mid]
@@ -88,7 +88,7 @@ class CatalogMixin:
             ok, error = await self._everywhere("replace_model", model_id, config, tag)
             if error is not None:
                 raise error
-        except BaseException:
+        except BaseException:  # cancellation too: the old version is put back; re-raised
             with self._lock:
                 if not ok and self._catalog.get(model_id, (None, None))[1] == tag:
                     self._catalog[model_id] = old

@@ -181,7 +181,7 @@ class EncoderRunner(StageRunner):
                     hidden = hidden[0]
             if ctx.is_last:
                 out = self._finish(hidden, mask, batch)
-        except Exception:
+        except Exception:  # any failure: the next stage is told, then it re-raises
             if not ctx.is_last:  # the next stage raises instead of waiting for activations
                 p2p.send_tensor(None, g.next_rank(), g.data, dev)
             raise

@@ -80,7 +80,7 @@ class SequentialRunner(StageRunner):
             else:
                 x = p2p.recv_tensor(g.prev_rank(), g.data, ctx.device)
             y = self.module(x)
-        except Exception:
+        except Exception:  # any failure: the next stage is told, then it re-raises
             if not ctx.is_last:
                 p2p.send_tensor(None, g.next_rank(), g.data, ctx.device)
             raise

@@ -226,7 +226,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         if "error" in init:
             raise LaunchError(f"the master could not join the process group: {init['error']}")
         check_memory(config, ready)
-    except BaseException:
+    except BaseException:  # any way out, Ctrl-C too: no worker or process group outlives the launch; re-raised
         workers.stop(grace_s=0)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -250,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         stop_early_server = None if args.ray else start_fork_server(cfg.engine)  # imports beside prepare's
         try:
             prepared = prepare(cfg)
-        except BaseException as exc:
+        except BaseException as exc:  # any way out, Ctrl-C too: the early fork server stops; re-raised
             if stop_early_server:
                 stop_early_server()
             if isinstance(exc, (ConfigError, PreflightError)):

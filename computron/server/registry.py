@@ -223,7 +223,7 @@ class ModelRegistry:
                 await self.engine.add_model(built.config)
             else:
                 await self.engine.replace_model(name, built.config)
-        except Exception as exc:
+        except Exception as exc:  # any failure: recorded for the index, re-raised
             if current is None and (name in self._unavailable or (self.repository and name in self.repository.known)):
                 self._unavailable[name] = f"load failed: {exc}"  # for the index (names known already only)
             raise

@@ -218,7 +218,7 @@ class ShardStore(Store):
         host = self.alloc_host()
         try:
             dt, n = read_segments(self.source, self.slots, host, n_segments=self.n_segments)
-        except BaseException:
+        except BaseException:  # any way out: the buffers go back to the pool; re-raised
             self.give_host(host)
             raise
         return host, dt, n
@@ -265,7 +265,7 @@ class ShardStore(Store):
             for dt, n in self.host_numels.items():
                 bufs[dt] = (self.pool.take(dt, n) if self.pool is not None
                             else torch.empty(n, dtype=dt, device=self.device))
-        except BaseException:
+        except BaseException:  # any way out: the buffers go back to the pool; re-raised
             self._release(bufs)
             raise
         self._dev = bufs

@@ -125,7 +125,7 @@ def write_checkpoint(path: str, write) -> str:
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
     try:
         write(tmp)
-    except BaseException:
+    except BaseException:  # any way out: no half-written checkpoint is left; re-raised
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:

@@ -94,7 +94,7 @@ class Completion:
         it = self._tokens()
         try:
             first = await unless_disconnected(self.request, it.__anext__())
-        except BaseException:
+        except BaseException:  # a disconnect or cancellation too: the generation is closed; re-raised
             await it.aclose()
             raise
         return sse_response(self._events(it, first, self.call.elapsed()))
