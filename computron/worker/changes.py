@@ -1,5 +1,5 @@
 """A worker's handlers of the commands that change what it serves: models added and removed while
-serving (their builds run on ``shard_builder.BackgroundBuilds``' thread), and LoRA adapters of its
+serving (their builds run on ``shard_builder.BackgroundJobs``' thread), and LoRA adapters of its
 causal LMs (``lora``: host copies read here, device slots taken by the steps that use them)."""
 from __future__ import annotations
 

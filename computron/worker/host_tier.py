@@ -4,7 +4,7 @@ models kept there by plan (``messages.SetHostModels``, sent by ``Engine.set_host
 Host memory caches the shards read from checkpoints: a model read from disk for its load stays there, and
 when the budget is short the least recently used shards go back to disk first, the planned ones last of
 all. Planned models on disk are read ahead of their next load, in the plan's order, on a thread of their
-own (``shard_builder.BackgroundBuilds``: one read at a time, at a lower CPU priority), making room only by
+own (``shard_builder.BackgroundJobs``: one read at a time, at a lower CPU priority), making room only by
 sending unplanned copies to disk, never one resident on the device or loading; a planned model with no
 such room stays on disk. The command loop (loads, removals) and that thread change which stores hold host
 memory under one lock, held for bookkeeping only, never during a read: a step never waits for a read ahead.
@@ -19,7 +19,7 @@ from typing import Dict, FrozenSet, List, Tuple
 import torch
 
 from ..comm import messages as msg
-from .shard_builder import BackgroundBuilds
+from .shard_builder import BackgroundJobs
 
 log = logging.getLogger("computron.worker")
 
@@ -43,7 +43,7 @@ class HostTier:
         self._building: Dict[str, int] = {}
         """Models being built (at start-up or added while serving) -> the host bytes ``_reserve_host`` let
         their read take, counted until the built store is registered (``_settle_host``)."""
-        self._read_ahead = BackgroundBuilds(self.rank, what="read-ahead", switch_interval_s=None)
+        self._read_ahead = BackgroundJobs(self.rank, what="read-ahead", switch_interval_s=None)
 
     def _host_used(self) -> int:
         """Host bytes held, or about to be: a store resident on the device holds its whole copy (or is reading

@@ -3,7 +3,7 @@
 At start-up every rank builds every configured model on its command loop, in the
 same order, before it serves: TP splitting may then scatter rank 0's weights over
 the TP group. A model added while serving (``messages.AddModel``) is built on
-``BackgroundBuilds``' thread instead, beside the command loop, so the models that
+``BackgroundJobs``' thread instead, beside the command loop, so the models that
 are generating keep stepping; it must not use the TP group the steps use, so each
 rank cuts its own slices out of identical full weights (a checkpoint, or a
 ``model_fn`` seeded by the model's id) without communicating.
@@ -123,10 +123,11 @@ class ShardBuilder:
         return runner, source
 
 
-class BackgroundBuilds:
-    """One thread that runs the builds of models added while serving, one at a time, in the order their
-    commands arrived (the same on every rank); or, named otherwise, other background work of a worker (the
-    reads ahead of ``host_tier``: mostly I/O, so ``switch_interval_s`` None leaves the GIL's alone)."""
+class BackgroundJobs:
+    """One thread that runs a worker's background jobs one at a time, in the order they were submitted: the
+    builds of models added while serving (in their commands' order, the same on every rank), and, as a second
+    instance named ``what``, the reads ahead of ``host_tier`` (mostly I/O, so ``switch_interval_s`` None
+    leaves the GIL's alone)."""
 
     def __init__(self, rank: int, what: str = "build", switch_interval_s: Optional[float] = BUILD_SWITCH_INTERVAL_S):
         self._rank = rank

@@ -1,7 +1,7 @@
 """A worker rank: builds its shard of every model, then executes commands in order.
 
 Models added while serving are built on a thread beside the command loop
-(``shard_builder.BackgroundBuilds``) and removed on the loop itself. Under
+(``shard_builder.BackgroundJobs``) and removed on the loop itself. Under
 ``host_budget``, which shards stay in host memory (and the models kept there by
 plan, read ahead of their loads) is ``host_tier.HostTier``'s business.
 
@@ -33,7 +33,7 @@ from ..storage.memory import DevicePool, HostPool
 from ..storage.store import Store
 from .changes import ModelChanges
 from .host_tier import HostTier
-from .shard_builder import BackgroundBuilds, ShardBuilder
+from .shard_builder import BackgroundJobs, ShardBuilder
 
 log = logging.getLogger("computron.worker")
 
@@ -58,7 +58,7 @@ class Worker(ModelChanges, HostTier):
         self._heartbeat: Optional[threading.Thread] = None
         self._builder = ShardBuilder(rank, groups, device, engine_config, self.pool, self.copy_stream,
                                      self.host_pool)
-        self._builds = BackgroundBuilds(rank)
+        self._builds = BackgroundJobs(rank)
         self._init_host_tier()
         self.lora: Dict[str, Any] = {}
         """Model key -> its ``lora.slots.LoraSlots``, once an adapter was added to it."""
