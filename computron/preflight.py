@@ -46,8 +46,8 @@ class PreflightError(LaunchError, ValueError):
 
 
 def supported_families() -> List[str]:
-    """The transformers ``model_type`` values whose causal LMs the engine can shard (``models.registry``)."""
-    from .models.registry import CAUSAL_LM, model_types
+    """The transformers ``model_type`` values whose causal LMs the engine can shard (``models.families``)."""
+    from .models.families import CAUSAL_LM, model_types
     return sorted(model_types(CAUSAL_LM))
 
 
@@ -258,7 +258,7 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
                              "to have one built from the checkpoint, or build it with for_config of that config")
     model_type = hf_cfg.get("model_type")
     if causal_loader and model_type not in supported_families():
-        from .models.registry import GENERIC_HINT
+        from .models.families import GENERIC_HINT
         raise PreflightError(
             f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported "
             f"model_type: {', '.join(supported_families())}); {GENERIC_HINT}")
@@ -268,7 +268,7 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
 def _check_shape(mid: str, source: str, c: Dict[str, Any], tp: int, pp: int) -> None:
     text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
     if tp > 1:  # which runner will serve it is not known yet: every field some family splits
-        from .models.registry import check_tp_divisible, tp_fields_of_any_family
+        from .models.families import check_tp_divisible, tp_fields_of_any_family
         try:
             check_tp_divisible(text, tp_fields_of_any_family(), tp, mid, source)
         except ValueError as exc:

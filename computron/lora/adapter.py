@@ -94,8 +94,8 @@ class AdapterInfo:
 
 
 def family_of_config(adapter_id: str, base_config: Mapping[str, Any]):
-    """The ``models.registry`` family entry of a causal-LM base config, else AdapterError."""
-    from ..models.registry import CAUSAL_LM, FAMILIES
+    """The ``models.families`` entry of a causal-LM base config, else AdapterError."""
+    from ..models.families import CAUSAL_LM, FAMILIES
     model_type = base_config.get("model_type")
     fam = next((f for f in FAMILIES if model_type in f.model_types), None)
     if fam is None or fam.runner != CAUSAL_LM:

@@ -11,7 +11,7 @@ only its pipeline stage's layers, and under TP the slice that matches its slice 
 
 The slice bounds are read off the base weight's own DTensor layout (``local_shape_and_offset``), so they
 are the base's whatever chunking DTensor applies (``torch.chunk``-like: ceil-sized chunks first; the
-registry's TP checks make Llama's k/v heads divide evenly anyway). Slices are read with safetensors'
+family table's TP checks make Llama's k/v heads divide evenly anyway). Slices are read with safetensors'
 ``get_slice``, never the whole file. Each factor is stored as ``A`` [r, in_local] and ``Bt`` [r, out_local]
 = ``scaling * B^T`` (the scaling folded in, in float32, before the cast to the base's dtype), both
 contiguous, so a device slot is filled by two contiguous copies.

@@ -3,16 +3,16 @@
 ``make_runner`` picks a runner by the module's kind: a transformers causal LM
 of the OPT or Llama family (``CausalLMRunner``: generation with a KV cache),
 a BERT/RoBERTa-style encoder or ViT with any task head (``EncoderRunner``,
-found through the family registry of ``registry.py``), an ``nn.Sequential``
+found through the family table of ``families.py``), an ``nn.Sequential``
 (``SequentialRunner``), or any other module (``ModuleRunner``, no pipeline split).
 """
 import importlib
 
 _WHERE = {"StageContext": "base", "StageRunner": "base", "GenerativeRunner": "base", "uniform_split": "base",
           "CausalLMRunner": "causal_lm", "causal_lm_family": "causal_lm", "EncoderRunner": "encoder",
-          "ModuleRunner": "generic", "SequentialRunner": "sequential", "FAMILIES": "registry",
-          "encoder_family": "registry", "family_of": "registry"}
-"""Names imported on first use: ``computron.models.registry`` is read (for the served model types)
+          "ModuleRunner": "generic", "SequentialRunner": "sequential", "FAMILIES": "families",
+          "encoder_family": "families", "family_of": "families"}
+"""Names imported on first use: ``computron.models.families`` is read (for the served model types)
 without importing torch and the runners."""
 
 
@@ -36,7 +36,7 @@ def _runner_of_kind(module, model_config, ctx):
     from .causal_lm import CausalLMRunner, causal_lm_family
     from .encoder import EncoderRunner
     from .generic import ModuleRunner
-    from .registry import encoder_family
+    from .families import encoder_family
     from .sequential import SequentialRunner
     if ctx.pp > 1 and not model_config.pipelinable:
         raise ValueError(f"model {model_config.model_id!r} has pipelinable=False but pp_world_size={ctx.pp}")

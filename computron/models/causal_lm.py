@@ -19,11 +19,11 @@ from torch import nn
 
 from ..comm import p2p
 from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult, uniform_split
-from .registry import check_tp_divisible, decoder_family, shard_layers
+from .families import check_tp_divisible, decoder_family, shard_layers
 
 
 def causal_lm_family(module) -> Optional[str]:
-    """'opt' or 'llama' (the ``registry`` family) for the transformers causal LMs this runner can shard,
+    """'opt' or 'llama' (the ``families`` entry) for the transformers causal LMs this runner can shard,
     else None."""
     fam = decoder_family(module)
     return fam.name if fam is not None else None

@@ -7,7 +7,7 @@ norm, the pooler and the task head. Activations cross stages with
 stage has the batch's attention mask and builds the attention bias itself with
 transformers' ``create_bidirectional_mask``, as the backbone's own forward does.
 TP splits each layer's attention and MLP Linears Megatron-style (plans in
-``registry.py``); embeddings and heads are replicated.
+``families.py``); embeddings and heads are replicated.
 
 The task head runs through the task model's own forward: on the last stage the
 backbone inside the task model is replaced by ``_StageOutput``, which returns
@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import p2p
 from ..comm.validation import POOLINGS
 from .base import StageContext, StageRunner, uniform_split
-from .registry import check_tp_divisible, encoder_family, shard_layers
+from .families import check_tp_divisible, encoder_family, shard_layers
 
 
 def _parent(root: nn.Module, path: str):
@@ -89,7 +89,7 @@ class EncoderRunner(StageRunner):
     def __init__(self, model, model_config, ctx: StageContext):
         family = encoder_family(model)
         if family is None:
-            raise ValueError(f"model {ctx.model_id!r}: {type(model).__name__} is no encoder the registry lists")
+            raise ValueError(f"model {ctx.model_id!r}: {type(model).__name__} is no encoder the family table lists")
         config = model.config
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError(f"model {ctx.model_id!r}: config.is_decoder/add_cross_attention is set; only "

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .base import StageContext, StageRunner, parallelize
-from .registry import CAUSAL_LM, GENERIC_HINT, model_types
+from .families import CAUSAL_LM, GENERIC_HINT, model_types
 
 _log = logging.getLogger("computron.models")
 

@@ -68,7 +68,7 @@ TASKS = ("embedding", "classification")
 
 def encoder_model_types() -> set:
     """transformers ``model_type`` values served by the encoder runner (bert, roberta, xlm-roberta, vit)."""
-    from ..models.registry import ENCODER, model_types
+    from ..models.families import ENCODER, model_types
     return set(model_types(ENCODER))
 
 

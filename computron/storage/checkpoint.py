@@ -16,7 +16,7 @@ A model is read this way when its ``ModelConfig.checkpoint`` names a directory
 ``model_fn`` is ``loading.load_causal_lm`` / ``loading.load_encoder`` with a
 ``path``; the directory must hold ``model.safetensors`` or an
 ``model.safetensors.index.json`` with its shards, and the model must be of a
-family ``models.registry`` lists. Anything else goes through ``model_fn`` as before.
+family ``models.families`` lists. Anything else goes through ``model_fn`` as before.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from ..loading import load_causal_lm
 
 
 def default_targets(family) -> list:
-    """Every attention and MLP projection of a ``models.registry`` family, by the names PEFT matches."""
+    """Every attention and MLP projection of a ``models.families`` family, by the names PEFT matches."""
     return sorted({p.rsplit(".", 1)[-1] for p in family.colwise + family.rowwise})
 
 
@@ -30,7 +30,7 @@ def save_random_lora(base_path: str, out: str, seed: int, r: int = 8, alpha: int
     """
     from peft import LoraConfig, get_peft_model
 
-    from ..models.registry import decoder_family
+    from ..models.families import decoder_family
     base = load_causal_lm(base_path)
     family = decoder_family(base)
     if family is None:

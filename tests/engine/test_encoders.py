@@ -264,8 +264,8 @@ def test_for_checkpoint_checks_the_head(encoders):
         EmbeddingBatchManager(pooling="max")
 
 
-# ---- registry and plans ----------------------------------------------------------------------------------
-def test_registry_maps_architectures_to_families():
+# ---- family table and plans ----------------------------------------------------------------------------------
+def test_family_table_maps_architectures_to_families():
     assert family_of(zu.random_encoder("bert", "token")).name == "bert"
     assert encoder_family(zu.random_encoder("roberta", "sequence")).name == "roberta"
     assert encoder_family(zu.random_encoder("vit", "base")).name == "vit"

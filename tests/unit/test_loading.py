@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from computron import ModelConfig, loading
-from computron.models import registry
+from computron.models import families
 from computron.comm.validation import is_finite_number, is_valid_seed
 
 
@@ -42,11 +42,11 @@ def test_checkpoint_of_named_or_through_the_loader(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["opt-tiny", "llama-tiny"])
-def test_causal_lm_plans_come_from_the_registry(name):
+def test_causal_lm_plans_come_from_the_family_table(name):
     from computron.testing import zoo
     model = zoo.random_causal_lm(name)
-    fam = registry.decoder_family(model)
-    assert fam.runner == registry.CAUSAL_LM and registry.encoder_family(model) is None
+    fam = families.decoder_family(model)
+    assert fam.runner == families.CAUSAL_LM and families.encoder_family(model) is None
     layer = model.base_model.get_submodule(fam.layers)[0]
     for path in fam.tp_plan():
         assert isinstance(layer.get_submodule(path), torch.nn.Linear), (name, path)
@@ -57,11 +57,11 @@ def test_causal_lm_plans_come_from_the_registry(name):
 
 def test_tp_divisibility_one_check():
     with pytest.raises(ValueError, match=r"model 'm': config.ffn_dim=6 is not divisible by tp_world_size=4"):
-        registry.check_tp_divisible(type("C", (), {"num_attention_heads": 4, "ffn_dim": 6})(),
+        families.check_tp_divisible(type("C", (), {"num_attention_heads": 4, "ffn_dim": 6})(),
                                     ("num_attention_heads", "ffn_dim"), 4, "m")
     with pytest.raises(ValueError, match=r"model 'm': shape 'x' has hidden_size=6, not divisible"):
-        registry.check_tp_divisible({"hidden_size": 6}, registry.tp_fields_of_any_family(), 4, "m", "shape 'x'")
-    registry.check_tp_divisible({"hidden_size": 8}, ("hidden_size", "ffn_dim"), 4, "m")
+        families.check_tp_divisible({"hidden_size": 6}, families.tp_fields_of_any_family(), 4, "m", "shape 'x'")
+    families.check_tp_divisible({"hidden_size": 8}, ("hidden_size", "ffn_dim"), 4, "m")
 
 
 def test_validators():

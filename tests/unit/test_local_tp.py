@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from computron.models.local_tp import ColumnParallelLinear, RowParallelLinear, _local_class, split_linears
-from computron.models.registry import FAMILIES
+from computron.models.families import FAMILIES
 
 
 def test_default_column_and_row_styles_run_locally_others_keep_dtensor():
