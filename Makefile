@@ -28,10 +28,11 @@ $(STAMP): setup.py Makefile
 demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` on them, asks through `openai`
 	$(PY) examples/serve/demo.py --tp 2 --max-loaded 1
 
-# Two pytest workers, each taking whole files (their module fixtures are built once): most tests wait on
-# processes they start (in one process the suite kept 0.83 of one core busy); a third worker gained little.
+# Two pytest workers: most tests wait on processes they start (in one process the suite kept 0.83 of one core
+# busy); a third worker gained little. The tests of a file sharing a module fixture (an engine, a server) stay
+# on one worker (tests/conftest.py groups them); every other test goes wherever a worker is free.
 test: setup browser
-	$(PY) -m pytest -q -n 2 --dist loadfile --timeout 900 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --timeout 900 --durations=25 tests
 
 lint: setup  # ruff, as configured in pyproject.toml (tool settings only)
 	$(PY) -m ruff check .
