@@ -38,7 +38,7 @@ LONG = [2, 100, 200, 300]  # prompt ids whose greedy answers (seeds 0 and 1) run
 PROMPTS = ["The engine swaps models", "Hello wörld 🚀", "def submit(self, model_id", "GPU memory", "x"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # data only: the tests that start their own servers need not share a worker
 def ckpts(tmp_path_factory):
     return write_checkpoints(str(tmp_path_factory.mktemp("serve-ckpt")), n=3, no_chat=True)
 
