@@ -3,7 +3,7 @@
     init_ray(address)          join a running cluster (``ray start --head`` elsewhere), or start a local one
     start_cluster(...)         N ``EngineGroup`` actors (``groups.py``) + a router + the ``ClusterEngine``
 
-``server.cli.serve_cluster`` serves HTTP over the started ``ClusterEngine``.
+``server.serving.serve_cluster`` serves HTTP over the started ``ClusterEngine``.
 
 Every group serves every model of the config with ``tp x pp`` workers of its own (one node per group);
 the router (``policy.SwapAwareRouter`` by default) picks a group per request. Ray is an optional

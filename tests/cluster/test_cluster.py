@@ -36,7 +36,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(ray_session, ckpts):
     from computron.cluster.serve import start_cluster
-    from computron.server.cli import prepare
+    from computron.server.serving import prepare
     from computron.server.config import from_mapping
     cfg = from_mapping({"models": [{"id": m, "path": p} for m, p in ckpts.items()],
                         "engine": {"tp": 1, "max_loaded": 1, "heartbeat_timeout_s": 30}})
