@@ -1,6 +1,6 @@
 """Residency simulator: ``benchmarks/residency.py``'s trace replayed through the real scheduler, in seconds.
 
-The pure ``computron.scheduler.Scheduler`` (so: the real eviction policy, idle eviction, prefetch, overlap and
+The pure ``computron.sched.scheduler.Scheduler`` (so: the real eviction policy, idle eviction, prefetch, overlap and
 quantum preemption) is driven by a discrete-event model of the engine around it, on a simulated clock:
 
 - requests arrive as in ``residency.py`` (same Zipf rates and seeded permutation, same Gamma arrivals, same

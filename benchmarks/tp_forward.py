@@ -59,7 +59,7 @@ def build(args, variant, mesh, group):
 
     from computron import zoo
     from computron.models.local_tp import split_linears
-    from computron.models.registry import decoder_family, divide_widths
+    from computron.models.families import decoder_family, divide_widths
     model = zoo.random_causal_lm(args.model, seed=0).eval()
     family = decoder_family(model)
     for layer in model.model.decoder.layers:

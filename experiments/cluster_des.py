@@ -12,7 +12,7 @@ Each ``TokenGroup`` behaves like one Computron engine group with token-level gen
   loads alone on the devices may step at once: its step ends ``OVERLAP_TAIL`` of a step after its load;
 - at most ``max_loaded`` models resident; a waiting model (oldest head first) takes a free slot, else the
   slot of an idle resident model (least recently used), else, under the engine's policy rules
-  (``computron.policies``: ``quantum`` by default, as ``EngineConfig``), preempts a running one whose turn is
+  (``computron.sched.policies``: ``quantum`` by default, as ``EngineConfig``), preempts a running one whose turn is
   over: its sequences pause (KV parked) and resume when it is back;
 - host memory (``host_models`` models): an LRU cache of the models loaded (a disk load leaves the model in host
   memory), in which the planner's models (``set_plan``) are pinned: each newly planned model is read from

@@ -31,7 +31,7 @@ def worker_context(config: EngineConfig, device: Optional[str] = None):
 
     The fork server is one single-threaded process per master, started at the first launch (or earlier, by
     ``start_fork_server``) and ending with the master; each worker is a fork of it, so it starts with
-    ``computron.fork_server``'s imports done, without forking the master's threads (asyncio, HTTP, Ray). It
+    ``computron.runtime.fork_server``'s imports done, without forking the master's threads (asyncio, HTTP, Ray). It
     keeps the environment of its own start: ``process_setup.adopt_environment`` gives each worker the
     master's environment of the moment. ``auto`` keeps spawn for CUDA workers: a server whose imports
     touched the CUDA driver would fork children that cannot use it, and no GPU has run the fork server yet.

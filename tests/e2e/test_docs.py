@@ -117,7 +117,7 @@ def block(path: str, begins: str) -> Block:
     return b
 
 
-def test_function_exists(ref: str) -> bool:
+def names_a_test(ref: str) -> bool:
     """Whether ``tests/x.py::name`` names a test function (module level or in a class) of that file."""
     path, name = ref.split("::")
     full = os.path.join(ROOT, path)
@@ -143,7 +143,7 @@ def test_every_block_is_run_or_marked():
         m = next((m.fullmatch(b.comment) for m in MARKERS if m.fullmatch(b.comment)), None)
         if m is None:
             problems.append(f"{b.where}: <!-- {b.comment} --> is none of the allowed markers")
-        elif "test" in m.groupdict() and not test_function_exists(m.group("test")):
+        elif "test" in m.groupdict() and not names_a_test(m.group("test")):
             problems.append(f"{b.where}: <!-- {b.comment} --> names a test that does not exist")
     all_blocks = runnable_blocks()
     for key, test in RUN_HERE.items():
@@ -192,6 +192,38 @@ def test_relative_links_and_anchors_resolve():
     assert not problems, "\n".join(problems)
 
 
+def test_the_readme_links_each_docs_page_once_under_what_else():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("\n## What else\n"):].split("\n## ")[1]
+    links = re.findall(r"\]\((docs/[^)#]+)\)", section)
+    assert sorted(links) == [f for f in doc_files() if f.startswith("docs/")], links
+
+
+def test_the_modules_the_docs_name_exist():
+    """Every `computron/...` path in README.md and docs/, and every file of docs/architecture.md's map and of
+    its bullets per package (`computron/sched/` — `scheduler.py` ...), is a file of the package today."""
+    problems = []
+    for path in doc_files():
+        for ref in re.findall(r"`(computron/[\w/]*(?:\.py)?)`", open(os.path.join(ROOT, path)).read()):
+            if not os.path.exists(os.path.join(ROOT, ref)):
+                problems.append(f"{path}: {ref}")
+    arch = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    (tree,) = [b.text for b in blocks("docs/architecture.md") if b.text.startswith("computron/\n")]
+    for line in tree.splitlines()[1:]:
+        package = re.match(r"\s+(\w+)/\s{2,}(.*)$", line)
+        if package:
+            names = [f"{package.group(1)}/{n}" for n in re.findall(r"\w+\.py", package.group(2))]
+        else:
+            names = [n for n in line.split() if n.endswith((".py", "/"))]
+        problems += [f"architecture.md map: computron/{n}" for n in names
+                     if not os.path.exists(os.path.join(ROOT, "computron", n))]
+    for package, bullet in re.findall(r"^- `computron/(\w+)/` —(.*?)(?=^- |\Z)", arch, re.M | re.S):
+        for name in re.findall(r"`(\w+\.py)`", bullet):
+            if not os.path.exists(os.path.join(ROOT, "computron", package, name)):
+                problems.append(f"architecture.md, computron/{package}/: {name}")
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.timeout(60)
 def test_make_demo_runs_what_its_named_test_runs():
     """README's two commands are marked as run by test_first_hour's demo test: `make demo` runs the script
@@ -223,19 +255,23 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """The reader's directory: ``.venv`` and ``examples`` lead to the repository's, and the demo's
-    checkpoints (what `make demo` leaves in /tmp/computron-serve-demo) are under ``computron-serve-demo``."""
+@pytest.fixture
+def work(tmp_path):
+    """The reader's directory, one per test (so that `--dist loadgroup` spreads these tests over the
+    workers): ``.venv`` and ``examples`` lead to the repository's."""
+    os.symlink(os.path.dirname(VENV_BIN), tmp_path / ".venv")
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    return str(tmp_path)
+
+
+def after_make_demo(work: str):
+    """What `make demo` leaves in /tmp/computron-serve-demo and the docs start from, written as
+    examples/serve/demo.py writes it (the two checkpoints the docs use)."""
     from computron import tokenizer_zoo
-    d = tmp_path_factory.mktemp("docs")
-    os.symlink(os.path.dirname(VENV_BIN), d / ".venv")
-    os.symlink(os.path.join(ROOT, "examples"), d / "examples")
-    tok = tokenizer_zoo.train_bpe(vocab_size=512)  # as examples/serve/demo.py writes them
+    tok = tokenizer_zoo.train_bpe(vocab_size=512)
     for seed, name in enumerate(("alpha", "beta")):
-        tokenizer_zoo.save_checkpoint_with_tokenizer("opt-tiny", str(d / "computron-serve-demo" / f"opt-tiny-{name}"),
-                                                     seed=seed, tokenizer=tok)
-    return str(d)
+        tokenizer_zoo.save_checkpoint_with_tokenizer(
+            "opt-tiny", os.path.join(work, "computron-serve-demo", f"opt-tiny-{name}"), seed=seed, tokenizer=tok)
 
 
 def as_run(text: str, work: str, port: int) -> str:
@@ -283,7 +319,8 @@ def sh(cmd: str, cwd: str, where: str, timeout: int = 120) -> str:
     if argv[:2] == ["python", "-c"] and len(argv) == 3:
         return run_python(argv[2], where)
     proc = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{where}: `{cmd}` exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, \
+        f"{where}: `{cmd}` exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc.stdout
 
 
@@ -324,7 +361,8 @@ class Server:
             try:
                 line = self._lines.get(timeout=max(left, 0))
             except queue.Empty:
-                raise TimeoutError(f"`{self.cmd}` not serving within {timeout}s:\n{''.join(self.log)[-4000:]}")
+                raise TimeoutError(f"`{self.cmd}` not serving within {timeout}s:\n{''.join(self.log)[-4000:]}") \
+                    from None
             if line is None:
                 self.proc.wait(30)
                 raise RuntimeError(f"`{self.cmd}` exited {self.proc.returncode} before serving:\n"
@@ -355,10 +393,14 @@ class Server:
 
 @contextlib.contextmanager
 def serving(*servers: Server):
+    """Every server ready for the body, every one stopped after it (their own failure reported only
+    when the body's did not come first)."""
+    passed = False
     try:
         for s in servers:
             s.wait_ready()
         yield servers
+        passed = True
     finally:
         errors = []
         for s in servers:
@@ -366,7 +408,8 @@ def serving(*servers: Server):
                 s.stop()
             except AssertionError as exc:
                 errors.append(str(exc))
-        assert not errors, "\n".join(errors)
+        if passed:
+            assert not errors, "\n".join(errors)
 
 
 def setup_and_serve(b: Block, work: str, port: int) -> Server:
@@ -384,6 +427,7 @@ def setup_and_serve(b: Block, work: str, port: int) -> Server:
 def test_serving(work):
     """README's server and `openai` call, and docs/serving.md's three ways to start the server (the config
     file its yaml block shows included); the curl and python blocks run against the second."""
+    after_make_demo(work)
     readme_cmd, = commands(block("README.md", "python -m computron serve a=").text)
     forms = commands(block("docs/serving.md", "computron serve /tmp/computron-serve-demo/opt-tiny-alpha").text)
     assert len(forms) == 3 and forms[1] == readme_cmd  # "With the server of the second line running"
@@ -398,7 +442,8 @@ def test_serving(work):
         for cmd in commands(as_run(curl.text, work, ports[1])):
             out = request(cmd, work, curl.where)
             assert '"text"' in out or "data: [DONE]" in out, out
-        for b in (block("docs/serving.md", "from openai import OpenAI"), block("README.md", "from openai import OpenAI")):
+        for b in (block("docs/serving.md", "from openai import OpenAI"),
+                  block("README.md", "from openai import OpenAI")):
             assert run_python(as_run(b.text, work, ports[1]), b.where).strip(), b.where
 
 
@@ -419,6 +464,7 @@ def test_model_repository(work):
 def test_lora(work):
     """docs/lora.md: two random adapters on the demo's alpha, one from the config, one added and removed
     with vLLM's routes."""
+    after_make_demo(work)
     port = _free_port()
     with serving(setup_and_serve(block("docs/lora.md", "python -c"), work, port)):
         curl = block("docs/lora.md", "curl localhost:8000/v1/completions")
@@ -441,6 +487,7 @@ def test_encoders(work):
 def test_ray_groups(work):
     """docs/cluster.md: the server over two engine groups on a local Ray cluster, then
     examples/cluster/two_groups.py, whose code is the page's python block word for word."""
+    after_make_demo(work)
     b = block("docs/cluster.md", "computron serve")
     server_cmd, script_cmd = commands(b.text)
     example = open(os.path.join(ROOT, "examples", "cluster", "two_groups.py")).read()

@@ -1,4 +1,4 @@
-"""Unit tests of the eviction policies (``computron.eviction``) alone and inside the scheduler (pure)."""
+"""Unit tests of the eviction policies (``computron.sched.eviction``) alone and inside the scheduler (pure)."""
 import pytest
 
 from test_scheduler import load, offload, run

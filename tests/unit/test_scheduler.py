@@ -1,4 +1,4 @@
-"""Unit tests for the scheduling policy in ``computron.scheduler`` (pure Python, no workers)."""
+"""Unit tests for the scheduling policy in ``computron.sched.scheduler`` (pure Python, no workers)."""
 import itertools
 import random
 from collections import Counter, deque
