@@ -1,12 +1,36 @@
-"""Model builders and references shared by the tests (module-level, so workers can unpickle them), and
-``run_main`` for the scripts' CPU paths."""
+"""Model builders and references shared by the tests (module-level, so workers can unpickle them),
+``run_main`` for the scripts' CPU paths, and what a test needs to start a command (``free_port``,
+``command_env``)."""
 import os
+import socket
+import sys
 
 import torch
 
 from computron import zoo
 
 MLP_SIZES = (16, 32, 32, 16)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "COMPUTRON_LOG_LEVEL", "COMPUTRON_LOG_FILE", "RAY_ADDRESS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command_env(**extra) -> dict:
+    """This environment for a command a test starts: the checkout importable, the venv's commands first on
+    PATH, no launcher's rank variables or log settings inherited from whatever runs the tests."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for k in _LAUNCH_VARS:
+        env.pop(k, None)
+    env.update(extra)
+    return env
 
 
 def multiprocessing_servers() -> set:

@@ -16,7 +16,7 @@ import yaml
 from computron import tokenizer_zoo
 from computron.engine import EngineSnapshot, ModelSnapshot
 from computron.engine.protocol import EngineClient
-from helpers import is_multiprocessing_server
+from helpers import free_port, is_multiprocessing_server  # noqa: F401 - free_port: the server tests import it from here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,12 +87,6 @@ class StubEngineBase(EngineClient):
 
     async def shutdown(self):
         pass
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

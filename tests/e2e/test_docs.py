@@ -18,7 +18,6 @@ import queue
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,9 +27,11 @@ from typing import List, Optional
 
 import psutil
 import pytest
+from helpers import command_env, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
+DOC_ENV = command_env(TOKENIZERS_PARALLELISM="false")
 RUNNABLE = {"bash", "sh", "shell", "console", "python", "py"}
 
 # The comments that excuse a block from being run here, each right above its block.
@@ -238,23 +239,6 @@ def test_make_demo_runs_what_its_named_test_runs():
 
 # ---- running blocks ----------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "COMPUTRON_LOG_LEVEL", "COMPUTRON_LOG_FILE", "RAY_ADDRESS"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture
 def work(tmp_path):
     """The reader's directory, one per test (so that `--dist loadgroup` spreads these tests over the
@@ -318,7 +302,7 @@ def sh(cmd: str, cwd: str, where: str, timeout: int = 120) -> str:
     argv = shlex.split(cmd, comments=True)
     if argv[:2] == ["python", "-c"] and len(argv) == 3:
         return run_python(argv[2], where)
-    proc = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=DOC_ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, \
         f"{where}: `{cmd}` exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc.stdout
@@ -341,7 +325,7 @@ class Server:
 
     def __init__(self, cmd: str, cwd: str):
         self.cmd = cmd
-        self.proc = subprocess.Popen(["bash", "-c", "exec " + cmd], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(["bash", "-c", "exec " + cmd], cwd=cwd, env=DOC_ENV, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.log: List[str] = []
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
@@ -432,7 +416,7 @@ def test_serving(work):
     forms = commands(block("docs/serving.md", "computron serve /tmp/computron-serve-demo/opt-tiny-alpha").text)
     assert len(forms) == 3 and forms[1] == readme_cmd  # "With the server of the second line running"
     (yaml_block,) = [b for b in blocks("docs/serving.md") if b.lang == "yaml" and b.text.startswith("# serve.yaml")]
-    ports = [_free_port() for _ in forms]
+    ports = [free_port() for _ in forms]
     with open(os.path.join(work, "serve.yaml"), "w") as f:
         f.write(as_run(yaml_block.text, work, ports[2]))
     assert "--config serve.yaml" in forms[2]
@@ -451,7 +435,7 @@ def test_serving(work):
 def test_model_repository(work):
     """docs/model-changes.md: a repository of three checkpoints, its models loaded on first use and through
     Triton's routes with curl and with tritonclient."""
-    port = _free_port()
+    port = free_port()
     with serving(setup_and_serve(block("docs/model-changes.md", "python -c"), work, port)):
         curl = block("docs/model-changes.md", "curl -X POST localhost:8000/v2/repository/index")
         outs = [request(cmd, work, curl.where) for cmd in commands(as_run(curl.text, work, port))]
@@ -465,7 +449,7 @@ def test_lora(work):
     """docs/lora.md: two random adapters on the demo's alpha, one from the config, one added and removed
     with vLLM's routes."""
     after_make_demo(work)
-    port = _free_port()
+    port = free_port()
     with serving(setup_and_serve(block("docs/lora.md", "python -c"), work, port)):
         curl = block("docs/lora.md", "curl localhost:8000/v1/completions")
         outs = [request(cmd, work, curl.where) for cmd in commands(as_run(curl.text, work, port))]
@@ -476,7 +460,7 @@ def test_lora(work):
 @pytest.mark.timeout(400)
 def test_encoders(work):
     """docs/encoders.md: a classifier, an embedder and a ViT model over KServe v2 and /v1/embeddings."""
-    port = _free_port()
+    port = free_port()
     with serving(setup_and_serve(block("docs/encoders.md", "python -c"), work, port)):
         curl = block("docs/encoders.md", "curl localhost:8000/v2/models/sentiment/infer")
         outs = [request(cmd, work, curl.where) for cmd in commands(as_run(curl.text, work, port))]
@@ -492,7 +476,7 @@ def test_ray_groups(work):
     server_cmd, script_cmd = commands(b.text)
     example = open(os.path.join(ROOT, "examples", "cluster", "two_groups.py")).read()
     assert example[example.index("import asyncio"):] == block("docs/cluster.md", "import asyncio").text
-    with serving(Server(as_run(server_cmd, work, _free_port()), work)):
+    with serving(Server(as_run(server_cmd, work, free_port()), work)):
         pass
-    out = sh(as_run(script_cmd, work, _free_port()), work, b.where, timeout=400)
+    out = sh(as_run(script_cmd, work, free_port()), work, b.where, timeout=400)
     assert out.startswith("[") and "'tiny1'" in out, out

@@ -3,11 +3,11 @@ as one line naming the model and the field or path, logs reach the console, the 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+from helpers import command_env, free_port
 
 from computron import EngineConfig, LaunchEngine, LaunchError, ModelConfig, zoo
 from computron.preflight import PreflightError
@@ -15,22 +15,6 @@ from computron.preflight import PreflightError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
 STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ", re.M)  # wall-clock log timestamps
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "COMPUTRON_LOG_LEVEL", "COMPUTRON_LOG_FILE"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
 
 
 def readme_snippet() -> str:
@@ -61,14 +45,15 @@ def test_readme_snippet_spawn_and_torchrun(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(readme_snippet())
     master_log = tmp_path / "logs" / "master.log"
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(COMPUTRON_LOG_FILE=str(master_log)),
-                          capture_output=True, text=True, timeout=150)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
+                          env=command_env(COMPUTRON_LOG_FILE=str(master_log)), capture_output=True, text=True,
+                          timeout=150)
     _check_snippet_output(proc)
     assert re.search(r"master computron\.launch INFO: worker rank 1 ready", proc.stderr), proc.stderr
     assert STAMP.search(master_log.read_text()) and "worker rank 0 ready" in master_log.read_text()
     assert (tmp_path / "ckpt" / "opt2" / "config.json").is_file()
     proc = subprocess.run([os.path.join(VENV_BIN, "torchrun"), "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(script)], cwd=tmp_path, env=_env(OMP_NUM_THREADS="1"),
+                           str(free_port()), str(script)], cwd=tmp_path, env=command_env(OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=150)
     _check_snippet_output(proc)
 
@@ -94,7 +79,7 @@ def test_unsupported_causal_lm_from_model_fn_fails_the_launch():
 def test_swap_benchmark_with_an_opt_model():
     """benchmarks/swap.py --model NAME: the path benchmarks/gpu_check.sh takes on a GPU."""
     proc = subprocess.run([sys.executable, "benchmarks/swap.py", "--model", "opt-tiny", "--repeats", "1",
-                           "--modes", "fast"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+                           "--modes", "fast"], cwd=ROOT, env=command_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["model"] == "opt-tiny" and out["load_s"] > 0 and out["ttfo_s"] > 0, out
@@ -106,7 +91,7 @@ def test_launch_sh_colossalai_without_venv_on_path(tmp_path):
     the demo's request lines say which models each request loaded and evicted."""
     if not os.path.exists(os.path.join(VENV_BIN, "colossalai")):
         pytest.skip("colossalai is not installed (make setup installs it)")
-    env = _env(PATH="/usr/bin:/bin", MASTER_PORT=str(_free_port()))
+    env = command_env(PATH="/usr/bin:/bin", MASTER_PORT=str(free_port()))
     proc = subprocess.run(["bash", "examples/opt/launch.sh", "colossalai", "2", "--tp", "2", "--requests", "3",
                            "--max-tokens", "2", "--ckpt-dir", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
@@ -142,7 +127,7 @@ def test_cli_help_imports_neither_torch_nor_transformers():
              "assert not heavy, heavy; assert computron.__version__; "
              "from computron import LaunchEngine, EngineConfig, PayloadError; "
              "from computron.server import create_app; assert 'torch' in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=command_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     cmds = [[sys.executable, "-m", "computron", "--help"], [sys.executable, "-m", "computron", "serve", "--help"]]
@@ -150,7 +135,7 @@ def test_cli_help_imports_neither_torch_nor_transformers():
     if os.path.exists(script):
         cmds.append([script, "--help"])
     for cmd in cmds:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "exit status" in proc.stdout.lower(), (cmd, proc.stdout, proc.stderr)
 
 
@@ -159,7 +144,7 @@ def test_make_demo_serves_three_models_and_says_how_to_keep_serving(tmp_path):
     """`make demo`'s script, as it runs it (TP=2, one resident model): every answer, the swaps from /metrics,
     the TP note, how to keep the server up, and a clean exit of the server."""
     proc = subprocess.run([sys.executable, "examples/serve/demo.py", "--tp", "2", "--max-loaded", "1",
-                           "--ckpt-dir", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           "--ckpt-dir", str(tmp_path)], cwd=ROOT, env=command_env(), capture_output=True, text=True,
                           timeout=360)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]

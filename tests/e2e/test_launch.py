@@ -3,30 +3,15 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import psutil
 import pytest
+from helpers import command_env, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def _check_mlp_output(out: str, n: int):
@@ -36,14 +21,14 @@ def _check_mlp_output(out: str, n: int):
 
 
 def _run(cmd):
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def test_attach_mode_under_torchrun():
     out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", str(_free_port()), "examples/mlp/serve_mlp.py", "--tp", "2",
+                "--master_port", str(free_port()), "examples/mlp/serve_mlp.py", "--tp", "2",
                 "--width", "64", "--requests", "4"])
     _check_mlp_output(out, 4)
 
@@ -52,7 +37,7 @@ def test_attach_mode_under_torchrun():
                     reason="colossalai is not installed (make setup installs it)")
 def test_attach_mode_under_colossalai_run():
     colossalai = shutil.which("colossalai", path=os.path.dirname(sys.executable))
-    out = _run([colossalai, "run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    out = _run([colossalai, "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                 "examples/mlp/serve_mlp.py", "--pp", "2", "--width", "64", "--requests", "4"])
     _check_mlp_output(out, 4)
 
@@ -66,7 +51,7 @@ def _default_sigint():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_without_leftovers(sig):
     proc = subprocess.Popen([sys.executable, "examples/echo/serve_echo.py", "--serve", "--tp", "2"], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_default_sigint)
     try:
         line = proc.stdout.readline()
@@ -100,10 +85,10 @@ if __name__ == "__main__":
 def test_attach_mode_start_failure_reaches_every_rank(tmp_path):
     script = tmp_path / "attach_failure.py"
     script.write_text(ATTACH_FAILURE)
-    env = _env()
+    env = command_env()
     env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(script)],
+                           "--master_port", str(free_port()), str(script)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("LAUNCH ERROR True") == 2, proc.stdout + proc.stderr
@@ -114,11 +99,11 @@ def test_attach_mode_start_up_order_does_not_matter(tmp_path, last):
     """Heartbeats that reach rank 0's master before its engine exists are handed over, not lost."""
     fifo = tmp_path / "handoff"
     os.mkfifo(fifo)
-    env = _env()
+    env = command_env()
     env.update(LAST=str(last), HANDOFF=str(fifo))
     env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), os.path.join(ROOT, "tests", "e2e", "attach_race.py")],
+                           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "e2e", "attach_race.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ATTACH RACE OK" in proc.stdout, proc.stdout + proc.stderr
@@ -138,7 +123,7 @@ def test_the_users_tracebacks_are_not_labelled_with_a_rank(tmp_path):
     """Spawn mode makes the caller's process a rank of the group; its tracebacks stay the user's own."""
     script = tmp_path / "labelled.py"
     script.write_text(LABELLED_TRACEBACK)
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=command_env(), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 1, proc.stderr
     tail = proc.stderr[proc.stderr.index("Traceback"):]
