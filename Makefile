@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.computron-installed
 # would download a multi-GB CUDA build. colossalai only provides the `colossalai run` launcher:
 # installed without its pins (they would replace torch and transformers), plus what its CLI needs.
 TORCH       := torch==2.13.0
-DEPS        := "transformers>=5,<6" safetensors numpy matplotlib pytest pytest-timeout pytest-xdist psutil \
+DEPS        := "transformers>=5,<6" safetensors numpy matplotlib "pytest>=8.3,<9" pytest-timeout pytest-xdist psutil \
                fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]" peft \
                "ray>=2.40" ruff
 LAUNCHER    := colossalai==0.5.0
@@ -30,7 +30,8 @@ demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` o
 
 # Two pytest workers: most tests wait on processes they start (in one process the suite kept 0.83 of one core
 # busy); a third worker gained little. The tests of a file sharing a module fixture (an engine, a server) stay
-# on one worker (tests/conftest.py groups them); every other test goes wherever a worker is free.
+# on one worker (tests/conftest.py groups them); every other test goes wherever a worker is free. pytest < 9:
+# pytest-xdist 3.8 cannot group tests under pytest 9 (it renames a test by a field pytest 9 no longer reads).
 test: setup browser
 	$(PY) -m pytest -q -n 2 --dist loadgroup --timeout 900 --durations=25 tests
 

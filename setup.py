@@ -12,7 +12,7 @@ setup(
                       "fastapi", "uvicorn", "prometheus_client", "pillow", "peft"],
     extras_require={
         "experiments": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "psutil", "openai", "httpx", "selenium",
+        "test": ["pytest>=8.3,<9", "pytest-timeout", "pytest-xdist", "psutil", "openai", "httpx", "selenium",
                  "tritonclient[http]", "ruff"],
         "launcher": ["psutil", "click", "fabric"],
         "ray": ["ray>=2.40"],

@@ -51,19 +51,17 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """Each test gets its tier's marker; the tests of a file that share a module-scoped fixture (an engine,
-    a server, a Ray cluster) get one ``xdist_group``, so that ``--dist loadgroup`` keeps them on one worker
-    (the fixture is built once) and spreads every other test on its own."""
+    a server, a Ray cluster) get one ``xdist_group`` (here, as each is collected: before pytest-xdist reads
+    the groups), so that ``--dist loadgroup`` keeps them on one worker, in order, with the fixture built
+    once, and spreads every other test on its own."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for item in items:
-        rel = os.path.relpath(str(item.fspath), here)
-        tier = rel.split(os.sep)[0]
-        if tier in TIERS:
-            item.add_marker(getattr(pytest.mark, tier))
-        info = getattr(item, "_fixtureinfo", None)
-        shared = info is not None and any(d.scope in ("module", "class", "package")
-                                          for defs in info.name2fixturedefs.values() for d in defs)
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(rel))
+    rel = os.path.relpath(str(item.fspath), here)
+    tier = rel.split(os.sep)[0]
+    if tier in TIERS:
+        item.add_marker(getattr(pytest.mark, tier))
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None and any(d.scope in ("module", "class", "package")
+                                for defs in info.name2fixturedefs.values() for d in defs):
+        item.add_marker(pytest.mark.xdist_group(rel))
