@@ -2,9 +2,12 @@
 ``run_main`` for the scripts' CPU paths, and what a test needs to start a command (``free_port``,
 ``command_env``)."""
 import os
+import signal
 import socket
+import subprocess
 import sys
 
+import psutil
 import torch
 
 from computron import zoo
@@ -19,6 +22,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_command(proc, family, timeout: float, grace: float) -> list:
+    """SIGTERM ``proc`` and wait ``timeout`` for it (then kill it); wait ``grace`` for the processes of
+    ``family`` (psutil processes it started) and kill those still there. Returns those that had to be killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    _, alive = psutil.wait_procs(family, timeout=grace)
+    for p in alive:
+        p.kill()
+    return alive
 
 
 def command_env(**extra) -> dict:

@@ -2,7 +2,6 @@
 readiness by retrying /health within a deadline, and a stop that leaves no process behind."""
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import yaml
 from computron import tokenizer_zoo
 from computron.engine import EngineSnapshot, ModelSnapshot
 from computron.engine.protocol import EngineClient
-from helpers import free_port, is_multiprocessing_server  # noqa: F401 - free_port: the server tests import it from here
+from helpers import free_port, is_multiprocessing_server, stop_command  # noqa: F401 - free_port: the server tests import it from here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,15 +129,6 @@ class ServerProcess:
 
     def stop(self, timeout=60):
         """SIGTERM, then wait; kill whatever is left (the test fails on leftovers elsewhere)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        _, alive = psutil.wait_procs(self.workers, timeout=15)
-        for p in alive:
-            p.kill()
+        alive = stop_command(self.proc, self.workers, timeout, grace=15)
         self._log.close()
         return self.proc.returncode, alive

@@ -17,7 +17,6 @@ import os
 import queue
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from typing import List, Optional
 
 import psutil
 import pytest
-from helpers import command_env, free_port
+from helpers import command_env, free_port, stop_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -359,16 +358,7 @@ class Server:
             family = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             family = []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        _, alive = psutil.wait_procs(family, timeout=30)
-        for p in alive:
-            p.kill()
+        alive = stop_command(self.proc, family, timeout, grace=30)
         self._reader.join(30)
         log = "".join(self.log)[-4000:]
         assert self.proc.returncode == 0, f"`{self.cmd}` exited {self.proc.returncode} on SIGTERM:\n{log}"
