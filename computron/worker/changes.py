@@ -64,10 +64,9 @@ class ModelChanges:
                 runner.drop_all()
             with self._host_lock:  # after this, a read ahead of the model gives its buffers back
                 store.close()
-            self.host_kept = self.host_kept - {mid}
-            if self.host_pool is not None and self.config.host_budget is not None:
-                with self._host_lock:
+                if self.host_pool is not None and self.config.host_budget is not None:
                     self.host_pool.trim(max(0, self.config.host_budget - self._host_used()))
+            self.host_kept = self.host_kept - {mid}
             log.info("rank %d removed %s (%.1f MB shard) in %.1f ms", self.rank, mid, store.nbytes / 2**20,
                      (time.perf_counter() - t0) * 1e3)
         self.channel.reply(msg.ModelRemoved(
