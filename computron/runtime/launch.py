@@ -40,8 +40,8 @@ from ..engine.budget import check_memory
 from ..errors import LaunchError, worker_exit_reason
 from ..worker.worker import Worker
 from .prefetch import prefetch_startup
-from .process_setup import (adopt_environment, device_for, die_with_parent, free_port, setup_logging,
-                            threads_per_worker)
+from .process_setup import (adopt_environment, device_for, die_with_parent, destroy_group_in_background,
+                            host_rendezvous, join_rendezvous, setup_logging, threads_per_worker)
 from .reply_router import ReplyRouter
 from .worker_start import in_fork_server, start_server, worker_context
 
@@ -94,8 +94,7 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     torch.set_num_threads(threads_per_worker(config, local_world))
     try:
         device = device_for(config, local_rank, local_world)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=layout.world_size, timeout=timedelta(seconds=config.death_timeout_s))
+        join_rendezvous(addr, port, rank, layout.world_size, config.death_timeout_s)
         groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
         channel = WorkerChannel(groups)
         worker = Worker(rank, groups, channel, model_configs, config, device)
@@ -168,7 +167,10 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         raise RuntimeError("torch.distributed is already initialized in this process; LaunchEngine's spawn "
                            "mode starts its own process group (shut the previous engine down first)")
     layout = Layout(tp=tp, pp=pp, master_rank=tp * pp, master_is_worker=False)
-    addr, port = config.master_host, config.master_port or free_port(config.master_host)
+    addr, store = config.master_host, None
+    if node_rank == 0:
+        store = host_rendezvous(addr, config.master_port, layout.world_size, config.death_timeout_s)
+    port = store.port if store is not None else config.master_port
     local_world = layout.n_workers // n_nodes
     first = node_rank * local_world
     ctx = worker_context(config)
@@ -204,7 +206,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             # the user's own process is no rank of theirs: keep their hook
             excepthook = sys.excepthook
             try:
-                dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=layout.master_rank,
+                dist.init_process_group("gloo", store=store, rank=layout.master_rank,
                                         world_size=layout.world_size,
                                         timeout=timedelta(seconds=config.death_timeout_s))
             finally:
@@ -251,7 +253,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         if clean and dist.is_initialized():
             dist.destroy_process_group()
         elif dist.is_initialized():
-            _destroy_in_background(1.0 if dead else max(0.1, deadline - time.monotonic()))
+            destroy_group_in_background(1.0 if dead else max(0.1, deadline - time.monotonic()))
 
     engine = Engine(config, configs, layout, channel, ready, on_close=on_close)
     router.attach(engine)
@@ -297,14 +299,6 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
                      payload.rank, payload.host, payload.device, len(payload.host_bytes),
                      sum(payload.host_bytes.values()) / 2**20, timeout - (deadline - time.monotonic()))
     return ready
-
-
-def _destroy_in_background(wait_s: float) -> None:
-    """A thread may still sit in a receive from a dead peer: don't let that block the caller for long
-    (usually the group is gone by then, so a later LaunchEngine in this process can start its own)."""
-    t = threading.Thread(target=dist.destroy_process_group, daemon=True)
-    t.start()
-    t.join(wait_s)
 
 
 def _install_exit_hooks(engine: Engine) -> None:

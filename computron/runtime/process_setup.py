@@ -1,5 +1,5 @@
 """Per-process set-up of the engine's processes (the master and each worker): logging, the torch threads a
-worker gets, its device, dying with the parent, and a free rendezvous port (how workers are started:
+worker gets, its device, dying with the parent, and the rendezvous store (how workers are started:
 ``worker_start``)."""
 from __future__ import annotations
 
@@ -9,21 +9,39 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
-import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config import EngineConfig
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def host_rendezvous(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The process group's store, served by the master on ``port`` (0: the kernel picks one, read back from
+    ``.port``). Binding here, rather than picking a free port for a worker to bind later, leaves no window in
+    which another process (a second engine on this machine, Ray) takes the port first."""
+    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def join_rendezvous(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the default process group through the master's store (``host_rendezvous``)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def destroy_group_in_background(wait_s: float) -> None:
+    """A thread may still sit in a receive from a dead peer: don't let that block the caller for long
+    (usually the group is gone by then, so a later LaunchEngine in this process can start its own)."""
+    t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    t.start()
+    t.join(wait_s)
 
 
 def device_for(config: EngineConfig, local_rank: int, local_world: int) -> torch.device:
