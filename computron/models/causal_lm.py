@@ -1,12 +1,9 @@
-"""Generation for transformers causal LMs (OPT and Llama families), split by TP and PP.
+"""Generation for transformers causal LMs, split by TP and PP (how: ``decoder_split``).
 
-Each rank keeps the transformers model object with only its stage's decoder
-layers, and calls the model's own decoder forward on them: stage 0 with token
-ids, later stages with the previous stage's hidden states as
-``inputs_embeds`` (OPT's positional embedding is added on stage 0 only). Layer
-indices are renumbered per stage, so each stage's KV cache is its own. The last
-stage picks the next tokens and broadcasts them to every rank, which keeps all
-ranks in lock step and lets them stop together.
+Each rank runs its stage's part of the model's own backbone forward. The last stage's TP ranks turn the
+last hidden state into logits as the model's forward does (vocabulary blocks gathered, then its logit
+scaling or soft-capping), pick the next tokens and broadcast them to every rank, which keeps all ranks
+in lock step and lets them stop together.
 """
 from __future__ import annotations
 
@@ -15,25 +12,33 @@ import time
 from typing import Any, Dict, Optional
 
 import torch
-from torch import nn
 
 from ..comm import p2p
-from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult, uniform_split
-from .families import check_tp_divisible, decoder_family, shard_layers
+from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult
+from .families import decoder_family
+from .row_split import gather_vocab
 
 
 def causal_lm_family(module) -> Optional[str]:
-    """'opt' or 'llama' (the ``families`` entry) for the transformers causal LMs this runner can shard,
-    else None."""
+    """The family name (``families``: 'opt', 'llama', or the model type of a decoder split by its
+    transformers plans) of the causal LMs this runner can shard, else None."""
     fam = decoder_family(module)
     return fam.name if fam is not None else None
 
 
-class _NoPositions(nn.Module):
-    """Stands in for OPT's positional embedding after stage 0, where it was already added."""
-
-    def forward(self, *args, **kwargs):
-        return torch.zeros((), dtype=torch.float32)
+def finish_logits(logits: torch.Tensor, config) -> torch.Tensor:
+    """What the model's own forward does to the LM head's output: Granite divides by ``logits_scaling``,
+    Cohere multiplies by ``logit_scale``, Gemma soft-caps with ``final_logit_softcapping``."""
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        logits = logits / scaling
+    scale = getattr(config, "logit_scale", None)
+    if scale not in (None, 1, 1.0):
+        logits = logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def _generator(spec) -> torch.Generator:
@@ -56,40 +61,21 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
 
 class CausalLMRunner(GenerativeRunner):
     def __init__(self, model, model_config, ctx: StageContext):
+        from .decoder_split import cut_decoder
         self.ctx = ctx
         family = decoder_family(model)
         self.family = family.name
-        self.config = model.config
-        base = model.model.decoder if self.family == "opt" else model.model
-        layers = list(base.layers)
-        part = uniform_split(len(layers), ctx.pp)[ctx.stage]
-        base.layers = nn.ModuleList([layers[i] for i in part])
         self.family_entry = family
-        self.layer_ids = list(part)
+        self.config = model.config
+        cut = cut_decoder(model, family, ctx)
+        base = self.base = cut.base
+        self.layer_ids = cut.layer_ids
         """The model-wide index of each of this stage's layers (what checkpoints and adapters name)."""
-        for local_idx, layer in enumerate(base.layers):
-            layer.self_attn.layer_idx = local_idx
-        if not ctx.is_first:
-            base.embed_tokens = None
-            if self.family == "opt":
-                base.embed_positions = _NoPositions()
-                base.project_in = None
-        if not ctx.is_last:
-            model.lm_head = None
-            if self.family == "opt":
-                base.final_layer_norm = None
-                base.project_out = None
-            else:
-                base.norm = nn.Identity()
-        if ctx.tp > 1:
-            check_tp_divisible(self.config, family.tp_fields, ctx.tp, ctx.model_id)
-            shard_layers(base.layers, family, family.tp_plan(), ctx, self.config, what="decoder layer")
+        self.lm_head, self.vocab_parallel, self.vocab = cut.lm_head, cut.vocab_parallel, cut.vocab
         self.model = model
-        self.base = base
         self.module = model
-        prefix = [m for m in (getattr(base, "embed_tokens", None),) if m is not None]
-        suffix = [m for m in (getattr(model, "lm_head", None),) if m is not None]
-        self.segments = prefix + list(base.layers) + suffix
+        self.segments = [m for m in (cut.embedding,) if m is not None] + list(cut.layers) + \
+            [m for m in (cut.lm_head,) if m is not None]
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         from .running import RunningBatch
@@ -114,7 +100,10 @@ class CausalLMRunner(GenerativeRunner):
         hidden = self.base(**kwargs).last_hidden_state
         if not self.ctx.is_last:
             return hidden
-        return self.model.lm_head(hidden[:, -1, :]).float()
+        logits = self.lm_head(hidden[:, -1, :])
+        if self.vocab_parallel:
+            logits = gather_vocab(logits, self.vocab, self.ctx.tp, self.ctx.groups.tp_group)
+        return finish_logits(logits.float(), self.config)
 
     def _positions(self, attention_mask: torch.Tensor, new: int) -> Optional[torch.Tensor]:
         if self.family == "opt":

@@ -82,12 +82,13 @@ FAMILIES: Tuple[Family, ...] = (
            rowwise=("self_attn.out_proj", "fc2"), divide=("self_attn.num_heads", "self_attn.embed_dim"),
            tp_fields=("num_attention_heads", "ffn_dim"), final_norm="decoder.final_layer_norm", pooler=None,
            runner=CAUSAL_LM),
-    # separate q/k/v and gate/up projections
+    # separate q/k/v and gate/up projections: the layout LoRA adapters are served on (the runner splits these
+    # and every other decoder by the plans transformers declares: ``plans.py``)
     Family("llama", ("llama", "mistral", "qwen2"), embeddings="embed_tokens",
            embed_inputs=("input_ids",), layers="layers",
            colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
            rowwise=("self_attn.o_proj", "mlp.down_proj"),
-           tp_fields=("num_attention_heads", "intermediate_size", "num_key_value_heads"), final_norm="norm",
+           tp_fields=("num_attention_heads", "intermediate_size"), final_norm="norm",
            pooler=None, runner=CAUSAL_LM),
 )
 
@@ -99,9 +100,21 @@ GENERIC_HINT = ("to serve another module, give ModelConfig a model_fn that retur
 """What to do with a model no family fits; said by every error that refuses one."""
 
 
+PLAN_DECODERS = "any transformers decoder whose config declares base_model_pp_plan"
+"""How messages name the causal LMs served beside the table's."""
+
+
 def model_types(runner: str) -> FrozenSet[str]:
-    """The transformers ``model_type`` values that ``runner`` (``ENCODER`` or ``CAUSAL_LM``) serves."""
+    """The transformers ``model_type`` values that ``runner`` (``ENCODER`` or ``CAUSAL_LM``) serves from
+    this table (causal LMs: also ``serves_causal_lm``)."""
     return frozenset(t for f in FAMILIES if f.runner == runner for t in f.model_types)
+
+
+def serves_causal_lm(config: Any) -> bool:
+    """Whether a causal LM of this config (object or config.json dict) can be split by the engine."""
+    from .plans import decoder_plan
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return model_type in model_types(CAUSAL_LM) or decoder_plan(config) is not None
 
 
 def tp_fields_of_any_family() -> Tuple[str, ...]:
@@ -133,12 +146,21 @@ def encoder_family(module) -> Optional[Family]:
 
 
 def decoder_family(module) -> Optional[Family]:
-    """The family entry when ``models/causal_lm.py`` serves this module (a causal LM with its ``lm_head``
-    and decoder ``model``), else None."""
-    if not hasattr(module, "lm_head") or not hasattr(module, "model"):
+    """The family entry when ``models/causal_lm.py`` serves this module (a transformers causal LM with an
+    output embedding: the table's entry, or one made from the plans its config declares), else None."""
+    get_head = getattr(module, "get_output_embeddings", None)
+    if not callable(get_head) or not hasattr(module, "base_model") or get_head() is None:
         return None
     fam = family_of(module)
-    return fam if fam is not None and fam.runner == CAUSAL_LM else None
+    if fam is not None:
+        return fam if fam.runner == CAUSAL_LM else None
+    from .plans import decoder_plan
+    plan = decoder_plan(module.config)
+    if plan is None:
+        return None
+    return Family(plan.model_type, (plan.model_type,), embeddings=plan.embeddings, embed_inputs=("input_ids",),
+                  layers=plan.layers, colwise=plan.colwise, rowwise=plan.rowwise, tp_fields=("num_attention_heads",),
+                  final_norm=plan.final_norm, pooler=None, runner=CAUSAL_LM)
 
 
 def has_submodule(module: "nn.Module", path: str) -> bool:
@@ -190,6 +212,7 @@ def divide_widths(layer: "nn.Module", family: Family, tp: int) -> None:
             setattr(mod, attr, getattr(mod, attr) // tp)
 
 
-__all__ = ["Family", "FAMILIES", "ENCODER", "CAUSAL_LM", "GENERIC_HINT", "model_types", "tp_fields_of_any_family",
+__all__ = ["Family", "FAMILIES", "ENCODER", "CAUSAL_LM", "GENERIC_HINT", "PLAN_DECODERS", "model_types",
+           "serves_causal_lm", "tp_fields_of_any_family",
            "family_of", "encoder_family", "decoder_family", "has_submodule", "check_tp_divisible", "shard_layers",
            "divide_widths"]

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .base import StageContext, StageRunner, parallelize
-from .families import CAUSAL_LM, GENERIC_HINT, model_types
+from .families import CAUSAL_LM, GENERIC_HINT, PLAN_DECODERS, model_types
 
 _log = logging.getLogger("computron.models")
 
@@ -20,13 +20,13 @@ class ModuleRunner(StageRunner):
         if ctx.pp > 1:
             raise ValueError(f"model {model_config.model_id!r}: {type(module).__name__} cannot be split "
                              f"into {ctx.pp} pipeline stages; use pp_world_size=1, an nn.Sequential, or "
-                             "an OPT/Llama model")
+                             "a transformers causal LM")
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         can_generate = getattr(module, "can_generate", None)  # a transformers generative model (GPT-2, ...)
         if model_type is not None and callable(can_generate) and can_generate():
             raise ValueError(f"model {model_config.model_id!r}: {type(module).__name__} ({model_type!r}) is a causal "
-                             f"LM the engine cannot shard (supported model_type: "
-                             f"{', '.join(sorted(model_types(CAUSAL_LM)))}); {GENERIC_HINT}")
+                             f"LM the engine cannot shard (supported: model_type "
+                             f"{', '.join(sorted(model_types(CAUSAL_LM)))} and {PLAN_DECODERS}); {GENERIC_HINT}")
         if ctx.tp > 1 and model_config.tp_plan is None and any(True for _ in module.parameters()):
             # not split: every TP rank holds (and loads) the whole module. Refused would break modules
             # users replicate on purpose; said loudly instead, once per model (by its first rank).

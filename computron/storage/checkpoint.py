@@ -239,6 +239,12 @@ class Read:
     offsets: Tuple[int, ...] = ()  # of this rank's slice in the full tensor
     shape: Tuple[int, ...] = ()    # of this rank's slice
     value: Optional[torch.Tensor] = None
+    parts: Tuple["Read", ...] = ()
+    """Several row ranges of ``key``, one after the other in this rank's tensor (``models.row_split``)."""
+
+    def pieces(self) -> Tuple["Read", ...]:
+        """The single-slice reads this one is made of."""
+        return self.parts or (self,)
 
 
 def _local_slice(t: torch.Tensor, places: Dict[int, tuple]) -> Tuple[
@@ -281,6 +287,7 @@ class CheckpointSource:
 
     def __init__(self, model_id: str, path: str, names: ParamNames, module: nn.Module):
         """``module``: the runner's module (cut to this stage, TP applied, still on meta)."""
+        from ..models.row_split import pieces_of
         self.model_id = model_id
         self.path = path
         self.entries, self.sizes = read_entries(path, model_id)
@@ -297,12 +304,18 @@ class CheckpointSource:
                         raise Unsupported(f"checkpoint {path!r} holds no tensor named {known or [attr]}")
                     pending.append((mod, attr, Read(None, value=t.detach().clone())))
                     continue
-                full, off, shape = _local_slice(t, places)
+                rows = pieces_of(mod, attr)
+                full, off, shape = _local_slice(t, places) if rows is None else (rows[0], (), ())
                 e = self.entries[key]
-                if tuple(e.shape) != full:
+                if tuple(e.shape) != tuple(full):
                     raise Unsupported(f"checkpoint tensor {key!r} has shape {list(e.shape)}, the model "
                                       f"expects {list(full)}")
-                pending.append((mod, attr, Read(key, off, shape)))
+                if rows is None:
+                    pending.append((mod, attr, Read(key, off, shape)))
+                else:
+                    rest = tuple(full[1:])
+                    parts = tuple(Read(key, (a,) + (0,) * len(rest), (n,) + rest) for a, n in rows[1])
+                    pending.append((mod, attr, Read(key, parts=parts)))
         materialize(module)
         for mod, attr, r in pending:
             self.reads[id(local_tensor(direct_tensor(mod, attr)))] = r

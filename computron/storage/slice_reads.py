@@ -246,18 +246,22 @@ def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch
         runs: Dict[int, list] = {}
         by_segment: Dict[int, list] = {}  # _Request, _Rows, or (Read, dest, name) for a converting read
         nbytes = 0
-        for s, r in plan:
-            dest = host[s.dtype][s.offset:s.offset + s.numel]
-            nbytes += dest.numel() * dest.element_size()
-            if r.key is None:
-                dest.copy_(r.value.reshape(-1))
+        for s, whole in plan:
+            dest_all = host[s.dtype][s.offset:s.offset + s.numel]
+            nbytes += dest_all.numel() * dest_all.element_size()
+            if whole.key is None:
+                dest_all.copy_(whole.value.reshape(-1))
                 continue
-            planned = reader.runs_into(r, dest, s.name)
-            if planned is None:
-                by_segment.setdefault(s.segment, []).append((r, dest, s.name))
-            else:
-                runs.setdefault(s.segment, []).extend(planned[0])
-                by_segment.setdefault(s.segment, []).extend(planned[1])
+            at = 0
+            for r in whole.pieces():
+                n = int(torch.Size(r.shape).numel()) if whole.parts else dest_all.numel()
+                dest, at = dest_all[at:at + n], at + n
+                planned = reader.runs_into(r, dest, s.name)
+                if planned is None:
+                    by_segment.setdefault(s.segment, []).append((r, dest, s.name))
+                else:
+                    runs.setdefault(s.segment, []).extend(planned[0])
+                    by_segment.setdefault(s.segment, []).extend(planned[1])
         for seg, rs in runs.items():
             by_segment[seg].extend(_coalesce(rs, discard))
         tasks = sorted(((seg, t) for seg, ts in by_segment.items() for t in ts),
@@ -322,8 +326,8 @@ def read_spans(source: CheckpointSource, slots) -> List[Tuple[str, int, int, Lis
     ``[begin, end)`` as ``(first, run, stride, count)``: ``count`` runs of ``run`` bytes, ``stride`` apart."""
     runs = []
     with open_reader(source) as reader:
-        for s, r in source.plan(slots):
-            if r.key is not None:
+        for s, whole in source.plan(slots):
+            for r in whole.pieces() if whole.key is not None else ():
                 e, first, run, row, count = reader._runs(r, s.name)
                 runs.append((e.file, first, first + (count - 1) * row + run, (first, run, row, count)))
     spans: List[list] = []
