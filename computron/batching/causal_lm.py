@@ -4,7 +4,10 @@ A request is a dict: ``input_ids`` (a list of ints or a 1-D tensor; required),
 optional ``attention_mask`` of the same length, ``max_tokens`` (new tokens,
 default 16; the prompt and ``max_tokens`` must fit the model's positions), and
 sampling parameters ``top_k``, ``top_p``, ``temperature`` (all absent, or
-``temperature`` 0, means greedy) and ``seed``. A bad field raises
+``temperature`` 0, means greedy) and ``seed``. A field that is absent or None
+is unset: the model's generation config (``generation``: its checkpoint's
+generation_config.json) fills it where it lists a default, and its EOS ids end
+sequences too (``batching.generation``). A bad field raises
 ``PayloadError`` whose ``param`` names it. Requests with
 the same sampling parameters are batched together, left-padded to the longest
 prompt; each answer is cut to its own ``max_tokens`` and after its first EOS.
@@ -12,15 +15,20 @@ The answer is a 1-D LongTensor of the new token ids.
 """
 from __future__ import annotations
 
+import logging
 import random
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from ..comm.messages import BatchingDefaults, SeqSpec
 from ..comm.validation import int_list, is_finite_number, is_valid_seed
 from ..errors import PayloadError
+from ..loading import checkpoint_of
 from .base import BatchManager, SubmitEntry, TaskEntry
+from .generation import GenerationConfigError, GenerationDefaults, fill, merge_eos, read_generation_config
+
+log = logging.getLogger(__name__)
 
 _SAMPLING = ("top_k", "top_p", "temperature", "seed")
 
@@ -30,16 +38,21 @@ class CausalLMBatchManager(BatchManager):
 
     def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Union[int, List[int], None] = 2,
                  vocab_size: Optional[int] = None, max_positions: Optional[int] = None,
-                 default_max_tokens: int = 16, max_tokens_limit: int = 4096):
+                 default_max_tokens: int = 16, max_tokens_limit: int = 4096,
+                 generation: Union[GenerationDefaults, Mapping[str, Any], None] = None):
         """``max_positions`` (the model's ``max_position_embeddings``) bounds prompt + ``max_tokens``;
-        ``max_tokens_limit`` bounds ``max_tokens`` only for a model whose positions are unknown."""
+        ``max_tokens_limit`` bounds ``max_tokens`` only for a model whose positions are unknown.
+        ``generation``: the model's generation config (``GenerationDefaults``, or the fields of one as a
+        dict): its EOS ids join ``eos_token_id``, its defaults fill the fields a request leaves unset."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
-        # one id, several (Llama 3 configs list them) or none
-        eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(
-            eos_token_id)
+        if generation is not None and not isinstance(generation, GenerationDefaults):
+            generation = GenerationDefaults.parse(generation, "the model's generation_config")
+        self.generation: Optional[GenerationDefaults] = generation
+        # one id, several (Llama 3 configs list them) or none; and those of the generation config
+        eos_ids = merge_eos(eos_token_id, generation.eos_token_id if generation is not None else None)
         self.eos_token_id = eos_ids or None
         self._eos = torch.tensor(eos_ids, dtype=torch.int64)
         self.vocab_size = vocab_size
@@ -49,8 +62,33 @@ class CausalLMBatchManager(BatchManager):
 
     @classmethod
     def for_config(cls, hf_config, max_batch_size: int = 8, **kw) -> "CausalLMBatchManager":
-        """Pad/EOS ids, vocabulary size and position limit taken from a transformers config."""
-        return cls(max_batch_size=max_batch_size, **BatchingDefaults.from_config(hf_config).as_kwargs(), **kw)
+        """Pad/EOS ids, vocabulary size and position limit taken from a transformers config (``kw`` wins)."""
+        return cls(max_batch_size=max_batch_size, **{**BatchingDefaults.from_config(hf_config).as_kwargs(), **kw})
+
+    @classmethod
+    def for_checkpoint(cls, path: str, max_batch_size: int = 8, **kw) -> "CausalLMBatchManager":
+        """``for_config`` of a checkpoint directory's config.json, with its generation_config.json (if any):
+        ``GenerationConfigError`` naming the file and field when that cannot be read."""
+        from .common import load_config
+        return cls.for_config(load_config(path), max_batch_size, generation=read_generation_config(path), **kw)
+
+    # ---- a request's unset fields --------------------------------------------
+    def with_defaults(self, data: Mapping[str, Any]) -> Dict[str, Any]:
+        """The request with the fields it leaves unset (absent or None) taken from the generation config;
+        a new dict (the same request when there is no generation config)."""
+        if self.generation is None:
+            return data  # type: ignore[return-value]
+        ids = data.get("input_ids")
+        return fill(data, self.generation, len(ids) if hasattr(ids, "__len__") else None, self.max_positions)
+
+    def _max_tokens(self, data: Mapping[str, Any]) -> Any:
+        n = data.get("max_tokens")
+        return self.default_max_tokens if n is None else n
+
+    def prepare(self, data: Any) -> Any:
+        """``validate``, then the request with its unset fields filled (``with_defaults``)."""
+        self.validate(data)
+        return self.with_defaults(data)
 
     # ---- checks at submit time -----------------------------------------------
     def validate(self, data: Any) -> None:
@@ -75,7 +113,7 @@ class CausalLMBatchManager(BatchManager):
                                    "attention_mask")
             if not any(mask):
                 raise PayloadError("attention_mask has no 1: the model would see no token at all", "attention_mask")
-        self._check_length(len(ids), data.get("max_tokens", self.default_max_tokens))
+        self._check_length(len(ids), self._max_tokens(self.with_defaults(data)))
         k = data.get("top_k")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise PayloadError(f"top_k={k!r}: must be an int >= 0", "top_k")
@@ -110,6 +148,7 @@ class CausalLMBatchManager(BatchManager):
     # ---- batching ------------------------------------------------------------
     def to_spec(self, uid: int, data: Dict[str, Any]) -> SeqSpec:
         """A validated request as the sequence workers run under token-level generation."""
+        data = self.with_defaults(data)
         ids = int_list(data, "input_ids")
         if "attention_mask" in data:  # masked-out tokens are invisible to the model: leave them out
             ids = [t for t, m in zip(ids, int_list(data, "attention_mask")) if m]
@@ -117,7 +156,7 @@ class CausalLMBatchManager(BatchManager):
         seed = data.get("seed")
         if seed is None:
             seed = random.getrandbits(63) if temperature > 0 else 0
-        return SeqSpec(sid=uid, prompt=tuple(ids), max_tokens=int(data.get("max_tokens", self.default_max_tokens)),
+        return SeqSpec(sid=uid, prompt=tuple(ids), max_tokens=int(self._max_tokens(data)),
                        eos=tuple(self.eos_token_id or ()), temperature=temperature, top_k=int(data.get("top_k") or 0),
                        top_p=float(data["top_p"]) if data.get("top_p") is not None else 1.0, seed=int(seed))
 
@@ -128,24 +167,26 @@ class CausalLMBatchManager(BatchManager):
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         head = q.popleft()
         self.validate(head.data)
-        key = self._key(head.data)
-        taken = [head]
+        key = self._key(self.with_defaults(head.data))
+        taken, datas = [head], [self.with_defaults(head.data)]
         for entry in list(q):
             if len(taken) >= self.max_batch_size:
                 break
-            if self._key(entry.data) == key:
+            data = self.with_defaults(entry.data)
+            if self._key(data) == key:
                 q.remove(entry)
                 taken.append(entry)
-        prompts = [int_list(e.data, "input_ids") for e in taken]
-        masks = [int_list(e.data, "attention_mask") if "attention_mask" in e.data else [1] * len(p)
-                 for e, p in zip(taken, prompts)]
+                datas.append(data)
+        prompts = [int_list(d, "input_ids") for d in datas]
+        masks = [int_list(d, "attention_mask") if "attention_mask" in d else [1] * len(p)
+                 for d, p in zip(datas, prompts)]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(taken), width), self.pad_token_id, dtype=torch.int64)
         mask = torch.zeros((len(taken), width), dtype=torch.int64)
         for i, (p, m) in enumerate(zip(prompts, masks)):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64)
             mask[i, width - len(m):] = torch.tensor(m, dtype=torch.int64)
-        max_tokens = [int(e.data.get("max_tokens", self.default_max_tokens)) for e in taken]
+        max_tokens = [int(self._max_tokens(d)) for d in datas]
         batch = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": max(max_tokens),
                  "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
         batch.update({k: v for k, v in zip(_SAMPLING, key) if v is not None})
@@ -166,9 +207,32 @@ class CausalLMBatchManager(BatchManager):
 OPTBatchManager = CausalLMBatchManager  # the paper's (and EnergonAI's) name, kept as an alias
 
 
-def batch_manager_for(batching: "Optional[BatchingDefaults]", max_batch_size: int = 0):
-    """The batch manager a model gets when its ModelConfig names none: a CausalLMBatchManager for a causal
-    LM (``batching``: what its workers reported of its token ids), batches of one for anything else."""
-    if batching is None:
-        return BatchManager()
-    return CausalLMBatchManager(max_batch_size=max_batch_size or 8, **batching.as_kwargs())
+def batch_manager_for(batching: "Optional[BatchingDefaults]", max_batch_size: int = 0, model_config=None):
+    """The batch manager a model gets as it is registered: its ModelConfig's own if it names one; else a
+    CausalLMBatchManager for a causal LM (``batching``: what its workers reported of its token ids), with
+    the generation_config.json of its checkpoint directory (``loading.checkpoint_of``), or else the
+    ``generation_config`` its workers reported; batches of one for anything else. Logs (INFO) the EOS ids
+    and defaults a generation config adds."""
+    bm = getattr(model_config, "batch_manager", None)
+    if bm is None:
+        if batching is None:
+            return BatchManager()
+        kwargs = batching.as_kwargs()
+        generation = kwargs.pop("generation", None)
+        where = checkpoint_of(model_config) if model_config is not None else None
+        try:  # the preflight read it already; a file broken since then is left out, not fatal
+            generation = (read_generation_config(where[0]) if where is not None else None) or generation
+            bm = CausalLMBatchManager(max_batch_size=max_batch_size or 8, generation=generation, **kwargs)
+        except GenerationConfigError as exc:
+            log.warning("model %r: generation config left out: %s", getattr(model_config, "model_id", None), exc)
+            bm = CausalLMBatchManager(max_batch_size=max_batch_size or 8, **kwargs)
+        config_eos = merge_eos(batching.eos_token_id)
+    else:
+        config_eos = None
+    gen = getattr(bm, "generation", None)
+    if model_config is not None and isinstance(gen, GenerationDefaults):
+        adds = config_eos is None or any(i not in config_eos for i in gen.eos_token_id)
+        (log.info if adds or gen.request_defaults() or gen.ignored else log.debug)(
+            "model %r: from %s: %s; a sequence ends at any of %s", model_config.model_id, gen.source,
+            gen.describe(), bm.eos_token_id)
+    return bm

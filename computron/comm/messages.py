@@ -150,6 +150,11 @@ class Shutdown:
 # ---- what runners return (``models.base.GenerativeRunner``), carried by replies ---
 
 
+GENERATION_FIELDS = ("eos_token_id", "temperature", "top_p", "top_k", "do_sample", "max_new_tokens",
+                     "repetition_penalty")
+"""The fields of a generation config (``generation_config.json``) the master reads (``batching.generation``)."""
+
+
 @dataclass(frozen=True)
 class BatchingDefaults:
     """What a batch manager on the master needs to know about a generative model's token ids."""
@@ -158,13 +163,20 @@ class BatchingDefaults:
     """One id, a list of them (Llama 3), or None."""
     vocab_size: int
     max_positions: Optional[int] = None
+    generation: Optional[Dict[str, Any]] = None
+    """The ``GENERATION_FIELDS`` the model's own ``generation_config`` sets (None: not reported): what the
+    master takes when it knows no checkpoint directory of the model to read generation_config.json from."""
 
     @classmethod
-    def from_config(cls, config) -> "BatchingDefaults":
-        """From a transformers config (no pad id: 0)."""
+    def from_config(cls, config, generation_config=None) -> "BatchingDefaults":
+        """From a transformers config (no pad id: 0) and the model's ``generation_config``, if given."""
+        generation = None
+        if generation_config is not None:
+            values = generation_config.to_diff_dict()  # the fields set, not transformers' defaults
+            generation = {k: values[k] for k in GENERATION_FIELDS if values.get(k) is not None}
         return cls(pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
                    eos_token_id=config.eos_token_id, vocab_size=config.vocab_size,
-                   max_positions=getattr(config, "max_position_embeddings", None))
+                   max_positions=getattr(config, "max_position_embeddings", None), generation=generation)
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The keyword arguments of ``CausalLMBatchManager``."""

@@ -170,7 +170,7 @@ class Catalog:
     def _register(self, key: str, added: List[msg.ModelAdded]) -> None:
         mc = self.configs[key]
         batching = next((x.batching for x in added if x.batching is not None), None)
-        bm = mc.batch_manager or batch_manager_for(batching, self._config.max_batch_size)
+        bm = batch_manager_for(batching, self._config.max_batch_size, mc)
         queue_size = self._config.queue_size if mc.queue_size is None else mc.queue_size
         self._requests.add_model(key, bm, queue_size)
         if (self._config.step_mode and not self._config.paper_mode and isinstance(bm, CausalLMBatchManager)

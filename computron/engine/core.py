@@ -63,8 +63,8 @@ class Engine(EngineViews, HostModelsControl):
         self.workers: Dict[int, msg.WorkerReady] = {w.rank: w for w in workers}
         """What each worker reported when it became ready (pid, host, device, shard sizes)."""
         self._on_close = on_close
-        self._batch_managers = {mc.model_id: mc.batch_manager or batch_manager_for(
-            self._batching_info(mc.model_id), config.max_batch_size) for mc in model_configs}
+        self._batch_managers = {mc.model_id: batch_manager_for(
+            self._batching_info(mc.model_id), config.max_batch_size, mc) for mc in model_configs}
         paper = config.paper_mode
         self._sched = make_scheduler(config, model_configs, workers)  # one batch (or step) in flight per model
         self._lock = threading.RLock()  # re-entered: a reply handler may end in _die
