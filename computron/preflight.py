@@ -8,10 +8,6 @@ instead of later as a worker's traceback:
   ``loading.load_causal_lm``'s ``path``, ``from_pretrained``'s
   ``pretrained_model_name_or_path`` when it is a local path, or any
   ``path``/``checkpoint``-like keyword that names a missing file);
-- a ``.gguf`` file there instead (``ModelConfig.checkpoint``, a loader's ``path``) that is not GGUF, is
-  truncated, or holds an architecture or tensor type that cannot be read, or a conversion cache that
-  cannot be written. A good one is converted here, once (``storage/gguf.py``): the config names the
-  converted checkpoint directory from then on, which the workers read like any other;
 - a causal-LM loader pointed at an architecture the engine cannot shard (the
   checkpoint's ``config.json`` ``model_type``);
 - attention heads, key/value heads, hidden or FFN sizes not divisible by the
@@ -26,7 +22,7 @@ instead of later as a worker's traceback:
   pickled (spawn mode sends them to the workers).
 
 Nothing here builds a model or touches the network: it reads ``config.json``
-files and binds one socket (and converts a ``.gguf`` file not converted before).
+files and binds one socket.
 """
 from __future__ import annotations
 
@@ -39,7 +35,7 @@ import socket
 from typing import Any, Dict, Iterable, List, Optional
 
 from .config import EngineConfig, ModelConfig
-from .errors import GGUFError, LaunchError
+from .errors import LaunchError
 
 # keyword arguments of a model_fn that name a file or directory on disk
 _PATH_KEYS = ("path", "checkpoint", "checkpoint_path", "ckpt", "ckpt_path", "model_path", "checkpoint_dir",
@@ -217,30 +213,7 @@ def _check_dir(mid: str, key: str, path: Any) -> str:
     return full
 
 
-def _convert_gguf(mc: ModelConfig) -> None:
-    """A ``.gguf`` file as ``ModelConfig.checkpoint`` or as the ``path`` of a loader of ``loading``: converted
-    (``storage.gguf.convert``, cached) in the dtype the loader is asked for, and the config changed in place to
-    name the converted directory, so that everything after (these checks, the workers) sees a checkpoint
-    directory."""
-    from .loading import CHECKPOINT_LOADERS, DTYPES
-    from .storage import gguf
-    kw = mc.model_kwargs
-    loader = any(mc.model_fn is f for f in CHECKPOINT_LOADERS)
-    dtype = kw.get("dtype") if loader else None
-    if dtype is not None and dtype not in DTYPES and (gguf.is_gguf(kw.get("path")) or gguf.is_gguf(mc.checkpoint)):
-        raise PreflightError(f"model {mc.model_id!r}: model_kwargs['dtype']={dtype!r}: must be one of "
-                             f"{sorted(DTYPES)} or None")
-    try:
-        if loader and gguf.is_gguf(kw.get("path")):
-            mc.model_kwargs = {**kw, "path": gguf.convert(kw["path"], dtype)}
-        if gguf.is_gguf(mc.checkpoint):
-            mc.checkpoint = gguf.convert(mc.checkpoint, dtype)
-    except GGUFError as exc:
-        raise PreflightError(f"model {mc.model_id!r}: {exc}") from None
-
-
 def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
-    _convert_gguf(mc)
     mid, fn, kw = mc.model_id, mc.model_fn, mc.model_kwargs
     if mc.checkpoint is not None:  # read slice by slice on the workers: it must be there now
         _read_config(mid, CHECKPOINT_FIELD, _check_dir(mid, CHECKPOINT_FIELD, mc.checkpoint))
@@ -286,11 +259,11 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
                              f"vocab_size={vocab} (it would let out-of-range ids through): leave batch_manager=None "
                              "to have one built from the checkpoint, or build it with for_config of that config")
     model_type = hf_cfg.get("model_type")
-    from .models.families import GENERIC_HINT, PLAN_DECODERS, serves_causal_lm
-    if causal_loader and not serves_causal_lm(hf_cfg):
+    if causal_loader and model_type not in supported_families():
+        from .models.families import GENERIC_HINT
         raise PreflightError(
-            f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported: "
-            f"model_type {', '.join(supported_families())} and {PLAN_DECODERS}); {GENERIC_HINT}")
+            f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported "
+            f"model_type: {', '.join(supported_families())}); {GENERIC_HINT}")
     _check_shape(mid, source, hf_cfg, tp, pp)
 
 
@@ -310,14 +283,10 @@ def _check_generation_config(mc: ModelConfig) -> None:
 
 def _check_shape(mid: str, source: str, c: Dict[str, Any], tp: int, pp: int) -> None:
     text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
-    if tp > 1:
+    if tp > 1:  # which runner will serve it is not known yet: every field some family splits
         from .models.families import check_tp_divisible, tp_fields_of_any_family
-        from .models.plans import check_tp, decoder_plan
         try:
-            if text.get("model_type") != "opt" and decoder_plan(text) is not None:
-                check_tp(text, tp, mid, source)
-            else:  # which runner will serve it is not known yet: every field some family splits
-                check_tp_divisible(text, tp_fields_of_any_family(), tp, mid, source)
+            check_tp_divisible(text, tp_fields_of_any_family(), tp, mid, source)
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
     layers = text.get("num_hidden_layers")
