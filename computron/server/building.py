@@ -1,7 +1,8 @@
 """One served model from one config entry: the single path of ``computron serve``'s start-up and of the
 models added while it serves (the repository API, a model repository's first request).
 
-``build_model(entry)`` reads the checkpoint's ``config.json``, loads a causal LM's tokenizer (or builds
+``build_model(entry)`` reads the checkpoint's ``config.json`` (and a causal LM's ``generation_config.json``:
+its EOS ids and the defaults of unset request fields), loads a causal LM's tokenizer (or builds
 an encoder's or ViT's batch manager), and makes the engine's ``ModelConfig`` (the loaders of
 ``computron.loading`` with ``checkpoint=path``, so every rank reads only its own slices). It returns a
 ``BuiltModel``: the server's ``ServedModel`` and that ``ModelConfig``. ``entry_for`` checks a mapping
@@ -20,7 +21,7 @@ naming the entry and the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .config import ConfigError, ModelEntry, ServeConfig, parse_model
 from .model_kind import ModelKind
@@ -109,6 +110,11 @@ class ServedModel:
     base: Optional[str] = None
     """A LoRA adapter's: the id of the model whose weights and tokenizer it runs on (``path`` is then the
     adapter's directory)."""
+    generation: Any = None
+    """A text generator's ``batching.generation.GenerationDefaults`` (its checkpoint's generation_config.json;
+    None without one): the defaults of the fields a request leaves unset."""
+    eos_token_ids: Tuple[int, ...] = ()
+    """A text generator's EOS ids: config.json's and generation_config.json's."""
 
     def same_build(self, entry: ModelEntry) -> bool:
         """Whether ``entry`` would build this very model (same checkpoint, dtype, batch and queue bounds, task)."""
@@ -146,6 +152,7 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
 
     from ..config import ModelConfig
     from ..batching.causal_lm import CausalLMBatchManager
+    from ..batching.generation import GenerationConfigError
     from ..loading import load_causal_lm, load_encoder
     where = where or f"model {entry.id!r}"
     try:
@@ -165,14 +172,27 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{where}.path: {entry.path!r}: cannot load its tokenizer: "
                           f"{type(exc).__name__}: {exc}") from None
+    try:
+        generation, eos = generation_of(entry.path, getattr(hf, "eos_token_id", None))
+    except GenerationConfigError as exc:
+        raise ConfigError(f"{where}.path: {exc}") from None
     n = getattr(hf, "max_position_embeddings", None)
     bm = None
     if entry.max_batch_size is not None:
-        bm = CausalLMBatchManager.for_config(hf, max_batch_size=entry.max_batch_size)
+        bm = CausalLMBatchManager.for_config(hf, max_batch_size=entry.max_batch_size, generation=generation)
     config = ModelConfig(entry.id, load_causal_lm, kwargs, batch_manager=bm, **common)
     served = ServedModel(entry.id, entry.path, ModelKind.GENERATION, text=text,
-                         max_positions=n if isinstance(n, int) else None, entry=entry)
+                         max_positions=n if isinstance(n, int) else None, entry=entry, generation=generation,
+                         eos_token_ids=eos)
     return BuiltModel(served, config)
+
+
+def generation_of(path: str, config_eos: Any = None) -> Tuple[Any, Tuple[int, ...]]:
+    """A causal LM checkpoint's generation_config.json as ``GenerationDefaults`` (None without one) and its
+    EOS ids with config.json's ``config_eos``; ``GenerationConfigError`` naming the file and field."""
+    from ..batching.generation import merge_eos, read_generation_config
+    generation = read_generation_config(path)
+    return generation, tuple(merge_eos(config_eos, generation.eos_token_id if generation else None))
 
 
 def _understanding_model(entry: ModelEntry, hf, default_max_batch_size: Optional[int],
@@ -203,7 +223,8 @@ def build_adapter(entry: ModelEntry, base: ServedModel, where: Optional[str] = N
         raise ConfigError(f"{where}: a {base.kind} model; LoRA adapters run on causal LMs")
     config = ModelConfig(entry.id, base=base.id, adapter=entry.adapter)
     served = ServedModel(entry.id, entry.adapter, ModelKind.GENERATION, text=base.text,
-                         max_positions=base.max_positions, entry=entry, base=base.id)
+                         max_positions=base.max_positions, entry=entry, base=base.id, generation=base.generation,
+                         eos_token_ids=base.eos_token_ids)
     return BuiltModel(served, config)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -30,7 +31,7 @@ from fastapi.responses import Response
 
 from ..engine.protocol import EngineClient
 from ..errors import EngineDeadError, PayloadError, UnknownModelError
-from .building import BuiltModel, ServedModel, build_model
+from .building import BuiltModel, ServedModel, build_model, generation_of
 from .building import UnderstandingModel
 from .config import ServerSettings
 from .errors import APIError, V2Error
@@ -49,10 +50,14 @@ UNKNOWN = "_unknown"
 
 def served_models(texts: Dict[str, ModelText], encoders: Optional[Dict[str, UnderstandingModel]] = None,
                   max_positions: Optional[Dict[str, int]] = None) -> Dict[str, ServedModel]:
-    """The registry of ``create_app``'s ready-made arguments: text generators first, then encoders."""
+    """The registry of ``create_app``'s ready-made arguments: text generators first (with their checkpoint's
+    generation_config.json, when ``ModelText.path`` is a directory), then encoders."""
     max_positions = max_positions or {}
-    models = {m: ServedModel(m, t.path, ModelKind.GENERATION, text=t, max_positions=max_positions.get(m))
-              for m, t in texts.items()}
+    models = {}
+    for m, t in texts.items():
+        generation, eos = generation_of(t.path) if isinstance(t.path, str) and os.path.isdir(t.path) else (None, ())
+        models[m] = ServedModel(m, t.path, ModelKind.GENERATION, text=t, max_positions=max_positions.get(m),
+                                generation=generation, eos_token_ids=eos)
     for m, e in (encoders or {}).items():
         models[m] = ServedModel(m, e.path, e.kind, understanding=e)
     return models

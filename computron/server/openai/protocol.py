@@ -3,7 +3,7 @@
 - ``parse_completion`` / ``parse_chat``: a ``/v1/completions`` or ``/v1/chat/completions`` body as
   ``CompletionParams`` (every field checked, 400 naming it); ``prompt_ids`` turns its prompt or
   messages into token ids once the model's tokenizer is known; ``engine_request`` is what the engine
-  is sent.
+  is sent: the fields the request sets, then the model's generation_config.json defaults, then OpenAI's.
 - ``Answer``: the completion, chunk and usage objects of one answer.
 - ``parse_embeddings`` / ``embedding_data``: ``/v1/embeddings`` for embedding models.
 
@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from ...batching.generation import GenerationDefaults, fill
 from ..errors import bad
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class CompletionParams:
     model: str
     chat: bool
     max_tokens: Optional[int]
-    temperature: float
+    temperature: Optional[float]
+    """None: unset (the model's generation_config.json default, else OpenAI's 1)."""
     top_p: Optional[float]
     top_k: Optional[int]
     seed: Optional[int]
@@ -128,8 +130,7 @@ def _parse(body: Any, chat: bool) -> CompletionParams:
         raise bad("stream_options", "stream_options: must be an object")
     return CompletionParams(
         model=model, chat=chat, max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,  # OpenAI's default: sampling at temperature 1
-        top_p=top_p, top_k=top_k, seed=seed, stop=stop, stream=stream,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, stream=stream,
         include_usage=bool((so or {}).get("include_usage", False)),
         prompt=body.get("messages" if chat else "prompt", _MISSING))
 
@@ -192,17 +193,19 @@ def engine_field_names(body: Any, chat: bool) -> Dict[str, str]:
     return names
 
 
-def engine_request(p: CompletionParams, ids: List[int], default_max: int,
-                   max_positions: Optional[int]) -> Dict[str, Any]:
-    """The engine's generation request; without ``max_tokens``, ``default_max`` capped by the positions
-    the prompt leaves."""
-    max_tokens = p.max_tokens
-    if max_tokens is None:
-        max_tokens = default_max if max_positions is None else max(1, min(default_max, max_positions - len(ids)))
-    data = {"input_ids": ids, "max_tokens": max_tokens, "temperature": p.temperature}
-    for k in ("top_p", "top_k", "seed"):
-        if getattr(p, k) is not None:
-            data[k] = getattr(p, k)
+def engine_request(p: CompletionParams, ids: List[int], default_max: int, max_positions: Optional[int],
+                   generation: Optional[GenerationDefaults] = None) -> Dict[str, Any]:
+    """The engine's generation request: the fields the request sets; those it leaves unset from the model's
+    ``generation`` defaults (its generation_config.json), else OpenAI's (``temperature`` 1; ``max_tokens``
+    ``default_max``); a default ``max_tokens`` is capped by the positions the prompt leaves."""
+    data: Dict[str, Any] = {"input_ids": ids}
+    data.update({k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+                 if getattr(p, k) is not None})
+    data = fill(data, generation, len(ids), max_positions)
+    data.setdefault("temperature", 1.0)  # OpenAI's default: sampling at temperature 1
+    if "max_tokens" not in data:
+        data["max_tokens"] = default_max if max_positions is None else max(1, min(default_max,
+                                                                                   max_positions - len(ids)))
     return data
 
 

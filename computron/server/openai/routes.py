@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncIterator, Dict, Iterable, Optional
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -42,10 +42,12 @@ class Completion:
     """One completion or chat completion, from the engine's tokens to its answer."""
 
     def __init__(self, state: ServerState, request: Request, call: Call, p: CompletionParams, text: ModelText,
-                 data: Dict[str, Any]):
+                 data: Dict[str, Any], eos: Iterable[int] = ()):
         self.state, self.request, self.call = state, request, call
         self.p, self.text, self.data = p, text, data
         """The checked request, the model's tokenizer, and the engine's request."""
+        self.eos = set(eos) | ({text.eos_token_id} if text.eos_token_id is not None else set())
+        """The model's EOS ids (config.json's, generation_config.json's, the tokenizer's)."""
 
     def _tokens(self) -> AsyncIterator[int]:
         return self.state.engine.stream(self.p.model, self.data, timeout=self.state.settings.request_timeout_s)
@@ -53,7 +55,7 @@ class Completion:
     def finish_reason(self, ts: TextStream, last: Optional[int]) -> str:
         """'stop' for a stop string or an EOS (the engine ends a sequence short of max_tokens only at one of
         the model's EOS ids), else 'length'."""
-        if ts.stopped or ts.n_tokens < self.data["max_tokens"] or (last is not None and last == self.text.eos_token_id):
+        if ts.stopped or ts.n_tokens < self.data["max_tokens"] or last in self.eos:
             return "stop"
         return "length"
 
@@ -165,8 +167,9 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
         call.label = served.id
         ids = prompt_ids(served.text, p)
         state.admit(served)
-        data = engine_request(p, ids, state.settings.default_max_tokens if chat else 16, served.max_positions)
-        completion = Completion(state, request, call, p, served.text, data)
+        data = engine_request(p, ids, state.settings.default_max_tokens if chat else 16, served.max_positions,
+                              served.generation)
+        completion = Completion(state, request, call, p, served.text, data, served.eos_token_ids)
         return await (completion.stream() if p.stream else completion.generate())
     except ClientGone:
         return call.gone()
