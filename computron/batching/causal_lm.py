@@ -226,11 +226,9 @@ def batch_manager_for(batching: "Optional[BatchingDefaults]", max_batch_size: in
         except GenerationConfigError as exc:
             log.warning("model %r: generation config left out: %s", getattr(model_config, "model_id", None), exc)
             bm = CausalLMBatchManager(max_batch_size=max_batch_size or 8, **kwargs)
-        config_eos = merge_eos(batching.eos_token_id)
-    else:
-        config_eos = None
     gen = getattr(bm, "generation", None)
     if model_config is not None and isinstance(gen, GenerationDefaults):
+        config_eos = merge_eos(batching.eos_token_id) if batching is not None else None
         adds = config_eos is None or any(i not in config_eos for i in gen.eos_token_id)
         (log.info if adds or gen.request_defaults() or gen.ignored else log.debug)(
             "model %r: from %s: %s; a sequence ends at any of %s", model_config.model_id, gen.source,
