@@ -219,7 +219,11 @@ class ModelConfig:
     the tensors its stage and TP rank hold, and may leave them on disk beyond
     ``EngineConfig.host_budget``. ``model_fn`` is still required: it builds the model when the
     directory cannot be read this way (no safetensors, another architecture). A ``model_fn`` that is
-    ``loading.load_causal_lm`` or ``loading.load_encoder`` with a ``path`` is read this way too."""
+    ``loading.load_causal_lm`` or ``loading.load_encoder`` with a ``path`` is read this way too.
+
+    A ``.gguf`` file may stand for the directory (here or as the loader's ``path``): the master converts it
+    before any worker starts, once (cached, ``storage/gguf.py``), and this field then names the converted
+    directory."""
     base: Optional[str] = None
     """With ``adapter``: the id of the served causal LM whose weights the adapter runs on."""
     adapter: Optional[str] = None
@@ -260,7 +264,7 @@ class ModelConfig:
         if self.checkpoint is not None:
             import os
             if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):
-                _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str) or None")
+                _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str), a .gguf file or None")
             self.checkpoint = os.fspath(self.checkpoint)
 
 

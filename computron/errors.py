@@ -79,3 +79,10 @@ class ModelChangeError(ComputronError):
 
 class LaunchError(ComputronError):
     """A worker failed to start; the message holds its traceback."""
+
+
+class GGUFError(ComputronError, ValueError):
+    """A ``.gguf`` file that cannot be served (not GGUF, truncated, an architecture transformers cannot read,
+    a quantization the gguf package cannot dequantize) or whose converted checkpoint cannot be written to
+    the cache (``storage/gguf.py``). One line naming the file and the problem; the engine raises it as a
+    ``PreflightError``, ``computron serve`` as a configuration error, before any worker starts."""

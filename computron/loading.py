@@ -71,7 +71,17 @@ def load_causal_lm(path: str, dtype: Optional[str] = None):
 
     ``dtype`` (``float32``, ``float16``, ``bfloat16``) converts the weights on load; None keeps the
     checkpoint's own dtype.
+
+    ``path`` may be a ``.gguf`` file: transformers reads it here, dequantizing every tensor on each call
+    (float32 unless ``dtype`` says otherwise). Through the engine (``ModelConfig``) or ``computron serve`` the
+    master converts it once instead and the workers read the cached directory (``storage/gguf.py``).
     """
+    if isinstance(path, (str, os.PathLike)) and os.fspath(path).lower().endswith(".gguf") and os.path.isfile(path):
+        from transformers import AutoModelForCausalLM
+        _quiet_transformers()
+        folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+        kwargs = _dtype_kwargs(dtype, f"load_causal_lm({path!r})")
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **kwargs).eval()
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
         what = "is not a directory" if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else \
             "does not exist"

@@ -8,6 +8,10 @@ instead of later as a worker's traceback:
   ``loading.load_causal_lm``'s ``path``, ``from_pretrained``'s
   ``pretrained_model_name_or_path`` when it is a local path, or any
   ``path``/``checkpoint``-like keyword that names a missing file);
+- a ``.gguf`` file there instead (``ModelConfig.checkpoint``, a loader's ``path``) that is not GGUF, is
+  truncated, or holds an architecture or tensor type that cannot be read, or a conversion cache that
+  cannot be written. A good one is converted here, once (``storage/gguf.py``): the config names the
+  converted checkpoint directory from then on, which the workers read like any other;
 - a causal-LM loader pointed at an architecture the engine cannot shard (the
   checkpoint's ``config.json`` ``model_type``);
 - attention heads, key/value heads, hidden or FFN sizes not divisible by the
@@ -22,7 +26,7 @@ instead of later as a worker's traceback:
   pickled (spawn mode sends them to the workers).
 
 Nothing here builds a model or touches the network: it reads ``config.json``
-files and binds one socket.
+files and binds one socket (and converts a ``.gguf`` file not converted before).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import socket
 from typing import Any, Dict, Iterable, List, Optional
 
 from .config import EngineConfig, ModelConfig
-from .errors import LaunchError
+from .errors import GGUFError, LaunchError
 
 # keyword arguments of a model_fn that name a file or directory on disk
 _PATH_KEYS = ("path", "checkpoint", "checkpoint_path", "ckpt", "ckpt_path", "model_path", "checkpoint_dir",
@@ -213,7 +217,30 @@ def _check_dir(mid: str, key: str, path: Any) -> str:
     return full
 
 
+def _convert_gguf(mc: ModelConfig) -> None:
+    """A ``.gguf`` file as ``ModelConfig.checkpoint`` or as the ``path`` of a loader of ``loading``: converted
+    (``storage.gguf.convert``, cached) in the dtype the loader is asked for, and the config changed in place to
+    name the converted directory, so that everything after (these checks, the workers) sees a checkpoint
+    directory."""
+    from .loading import CHECKPOINT_LOADERS, DTYPES
+    from .storage import gguf
+    kw = mc.model_kwargs
+    loader = any(mc.model_fn is f for f in CHECKPOINT_LOADERS)
+    dtype = kw.get("dtype") if loader else None
+    if dtype is not None and dtype not in DTYPES and (gguf.is_gguf(kw.get("path")) or gguf.is_gguf(mc.checkpoint)):
+        raise PreflightError(f"model {mc.model_id!r}: model_kwargs['dtype']={dtype!r}: must be one of "
+                             f"{sorted(DTYPES)} or None")
+    try:
+        if loader and gguf.is_gguf(kw.get("path")):
+            mc.model_kwargs = {**kw, "path": gguf.convert(kw["path"], dtype)}
+        if gguf.is_gguf(mc.checkpoint):
+            mc.checkpoint = gguf.convert(mc.checkpoint, dtype)
+    except GGUFError as exc:
+        raise PreflightError(f"model {mc.model_id!r}: {exc}") from None
+
+
 def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
+    _convert_gguf(mc)
     mid, fn, kw = mc.model_id, mc.model_fn, mc.model_kwargs
     if mc.checkpoint is not None:  # read slice by slice on the workers: it must be there now
         _read_config(mid, CHECKPOINT_FIELD, _check_dir(mid, CHECKPOINT_FIELD, mc.checkpoint))
