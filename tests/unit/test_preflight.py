@@ -68,8 +68,10 @@ def test_preflight_shapes(checkpoints):
                   r"vocab_size=512")
     _launch_fails([ModelConfig("opt0", zoo.load_causal_lm, dict(ckpt, dtype="fp16"))],
                   r"model 'opt0': model_kwargs\['dtype'\]='fp16': must be one of")
+    # 4 query heads over 2 KV heads: TP=4 keeps each KV head on two ranks; TP=3 splits neither
     _launch_fails([ModelConfig("r", zoo.random_causal_lm, {"name": "llama-tiny"})],
-                  r"model 'r': shape 'llama-tiny' has num_key_value_heads=2, not divisible by tp_world_size=4", tp=4)
+                  r"model 'r': shape 'llama-tiny' has 4 attention heads, 2 KV heads and intermediate_size=\d+, which "
+                  r"tp_world_size=3 cannot split; TP sizes that work: 1, 2, 4", tp=3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
