@@ -73,11 +73,11 @@ class CausalLMBatchManager(BatchManager):
         return cls.for_config(load_config(path), max_batch_size, generation=read_generation_config(path), **kw)
 
     # ---- a request's unset fields --------------------------------------------
-    def with_defaults(self, data: Mapping[str, Any]) -> Dict[str, Any]:
-        """The request with the fields it leaves unset (absent or None) taken from the generation config;
-        a new dict (the same request when there is no generation config)."""
+    def with_defaults(self, data: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The request with the fields it leaves unset (absent or None) taken from the generation config
+        (``generation.fill``: the request itself when it leaves none of them unset, as once prepared)."""
         if self.generation is None:
-            return data  # type: ignore[return-value]
+            return data
         ids = data.get("input_ids")
         return fill(data, self.generation, len(ids) if hasattr(ids, "__len__") else None, self.max_positions)
 
@@ -167,8 +167,8 @@ class CausalLMBatchManager(BatchManager):
     def make_batch(self, q: Deque[SubmitEntry]) -> Tuple[TaskEntry, dict]:
         head = q.popleft()
         self.validate(head.data)
-        key = self._key(self.with_defaults(head.data))
         taken, datas = [head], [self.with_defaults(head.data)]
+        key = self._key(datas[0])
         for entry in list(q):
             if len(taken) >= self.max_batch_size:
                 break

@@ -137,20 +137,16 @@ def read_generation_config(directory: str) -> Optional[GenerationDefaults]:
 
 
 def fill(data: Mapping[str, Any], defaults: Optional[GenerationDefaults], n_prompt: Optional[int] = None,
-         max_positions: Optional[int] = None) -> Dict[str, Any]:
+         max_positions: Optional[int] = None) -> Mapping[str, Any]:
     """``data`` (a generation request) with its unset fields (absent or None) taken from ``defaults``; the
     fields it sets are kept. A default ``max_tokens`` is capped to the ``max_positions`` the ``n_prompt``
-    tokens leave (at least 1). A new dict; ``data`` unchanged."""
-    out = dict(data)
-    if defaults is None:
-        return out
-    for k, v in defaults.request_defaults().items():
-        if out.get(k) is not None:
-            continue
-        if k == "max_tokens" and max_positions is not None and n_prompt is not None:
-            v = max(1, min(v, max_positions - n_prompt))
-        out[k] = v
-    return out
+    tokens leave (at least 1). A new dict where a field was filled, else ``data`` itself (never changed)."""
+    todo = {k: v for k, v in defaults.request_defaults().items() if data.get(k) is None} if defaults else {}
+    if not todo:
+        return data
+    if "max_tokens" in todo and max_positions is not None and n_prompt is not None:
+        todo["max_tokens"] = max(1, min(todo["max_tokens"], max_positions - n_prompt))
+    return {**data, **todo}
 
 
 __all__ = ["GENERATION_CONFIG", "SAMPLING_DEFAULTS", "GenerationConfigError", "GenerationDefaults", "eos_ids",

@@ -150,7 +150,9 @@ def test_fill_leaves_the_request_alone():
     data = {"input_ids": [1], "top_k": None}
     out = fill(data, GenerationDefaults.parse({"top_k": 5}, "f"), 1, 64)
     assert out == {"input_ids": [1], "top_k": 5} and data == {"input_ids": [1], "top_k": None}
-    assert fill(data, None) == data
+    assert fill(data, None) is data
+    full = {"input_ids": [1], "top_k": 2}
+    assert fill(full, GenerationDefaults.parse({"top_k": 5}, "f")) is full  # nothing unset: no copy
 
 
 def test_requests_batch_by_their_filled_sampling_values():

@@ -201,7 +201,7 @@ def engine_request(p: CompletionParams, ids: List[int], default_max: int, max_po
     data: Dict[str, Any] = {"input_ids": ids}
     data.update({k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
                  if getattr(p, k) is not None})
-    data = fill(data, generation, len(ids), max_positions)
+    data = dict(fill(data, generation, len(ids), max_positions))
     data.setdefault("temperature", 1.0)  # OpenAI's default: sampling at temperature 1
     if "max_tokens" not in data:
         data["max_tokens"] = default_max if max_positions is None else max(1, min(default_max,
