@@ -86,7 +86,7 @@ class CausalLMRunner(GenerativeRunner):
 
     def batching_defaults(self) -> BatchingDefaults:
         """What a batch manager needs to know about this model's token ids."""
-        return BatchingDefaults.from_config(self.config)
+        return BatchingDefaults.from_config(self.config, getattr(self.model, "generation_config", None))
 
     # ---- one forward of this stage ------------------------------------------
     def _stage_forward(self, x, attention_mask, position_ids, cache):
