@@ -55,7 +55,14 @@ def linear_split(module: nn.Module) -> LinearSplit:
     if out_f is None or in_f is None:
         out_f, in_f = w.shape
     if not hasattr(w, "placements"):
-        return LinearSplit(False, (0, in_f), (0, out_f), in_f, out_f)
+        from ..models.row_split import pieces_of
+        rows = pieces_of(module, "weight")
+        if rows is None:
+            return LinearSplit(False, (0, in_f), (0, out_f), in_f, out_f)
+        if len(rows[1]) != 1:
+            raise ValueError("LoRA: cannot follow a fused Linear split part by part")
+        (r0, n), = rows[1]
+        return LinearSplit(False, (0, in_f), (r0, r0 + n), in_f, out_f)
     shards = [p.dim % 2 for p in w.placements if p.is_shard()]
     if len(shards) > 1 or any(p.is_partial() for p in w.placements):
         raise ValueError(f"LoRA: cannot follow the TP layout {w.placements} of a Linear weight")

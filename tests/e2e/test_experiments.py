@@ -415,3 +415,18 @@ def test_cpu_linear_benchmark_quick_path():
     for batch in ("1", str(dec["batch"])):
         row = dec[batch]
         assert row["step_ratio"] == pytest.approx(row["few_row_kernel"]["step_ms"] / row["f_linear"]["step_ms"])
+
+
+@pytest.mark.timeout(300)
+def test_vocab_split_benchmark_quick_path():
+    """benchmarks/vocab_split.py: at TP=2 a rank's shard holds half the embedding and LM head (the bytes a swap
+    moves), where whole copies would make it nearly the TP=1 shard."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vocab_split.py"), "--quick"],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout[-2000:]
+    doc = json.loads(lines[0])
+    assert doc["benchmark"] == "vocab_split" and doc["tp"] == 2
+    assert doc["embed_share_moved"] == pytest.approx(0.5, abs=0.01)
+    assert doc["tp_shard_bytes"] < doc["tp_replicated_bytes"] and doc["tp1_shard_bytes"] > doc["tp_shard_bytes"]
