@@ -26,6 +26,14 @@ def causal_lm_family(module) -> Optional[str]:
     return fam.name if fam is not None else None
 
 
+def has_sliding_window(config) -> bool:
+    """Whether some attention layer of this config sees only a window of the latest keys."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return "sliding_attention" in types
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
 def finish_logits(logits: torch.Tensor, config) -> torch.Tensor:
     """What the model's own forward does to the LM head's output: Granite divides by ``logits_scaling``,
     Cohere multiplies by ``logit_scale``, Gemma soft-caps with ``final_logit_softcapping``."""
@@ -76,6 +84,9 @@ class CausalLMRunner(GenerativeRunner):
         self.module = model
         self.segments = [m for m in (cut.embedding,) if m is not None] + list(cut.layers) + \
             [m for m in (cut.lm_head,) if m is not None]
+        self.sliding = has_sliding_window(self.config)
+        """Prompts joining running sequences get a forward of their own: one shared forward would leave
+        masked columns inside a running row's recent keys, which a sliding window counts."""
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         from .running import RunningBatch
@@ -266,7 +277,7 @@ class CausalLMRunner(GenerativeRunner):
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
         prompts, pad = [list(a.prompt) for a in admit], int(self.batching_defaults().pad_token_id)
-        apart = bool(cmd.prefill_apart and n_run and admit)
+        apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit)
         if apart:  # (adapters of the rows, input ids, mask, new columns, cache) of each forward
             ids, mask = rb.decode_inputs()
             new_ids, new_mask, width, new_cache = rb.prefill_inputs(prompts, pad, dev)
