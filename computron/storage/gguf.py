@@ -176,7 +176,9 @@ def convert(path, dtype: Optional[str] = None) -> str:
         log.info("%s: using its %s conversion %s (cached)", full, dtype, target)
         return target
     root = _writable(full, os.path.dirname(target))
-    info = inspect(full)
+    info = inspect(full)  # seconds; a bad file fails here, before any log line (the error is its one line)
+    log.info("converting %s (%.1f MB, %s, %s) to a %s checkpoint in %s, once (about a minute on 2 CPU cores)",
+             full, info.size / 1e6, info.architecture, "/".join(info.types), dtype, target)
     with _locked(target + ".lock", full):
         if os.path.isdir(target):  # another process converted it while this one waited
             log.info("%s: converted by another process: %s", full, target)
@@ -244,8 +246,6 @@ def _convert(info: GGUFInfo, dtype: str, out: str, target: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.perf_counter()
     folder, name = os.path.split(info.path)
-    log.info("converting %s (%.1f MB, %s, %s) to a %s checkpoint in %s: once, then cached", info.path,
-             info.size / 1e6, info.architecture, "/".join(info.types), dtype, target)
     try:
         with _quiet(hf_gguf):
             log.info("reading %s: dequantizing %d tensors to %s", name, info.tensors, dtype)

@@ -230,10 +230,10 @@ def test_make_demo_runs_what_its_named_test_runs():
     and flags that test runs, and `make test` is pytest over tests/, this file included."""
     dry = subprocess.run(["make", "-n", "demo", "test"], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert dry.returncode == 0, dry.stderr
-    assert re.search(r"python examples/serve/demo\.py --tp 2 --max-loaded 1$", dry.stdout, re.M), dry.stdout
+    assert re.search(r"python examples/serve/demo\.py --pp 2 --max-loaded 1$", dry.stdout, re.M), dry.stdout
     assert re.search(r"python -m pytest .* tests$", dry.stdout, re.M), dry.stdout
     src = open(os.path.join(ROOT, "tests", "e2e", "test_first_hour.py")).read()
-    assert '"examples/serve/demo.py", "--tp", "2", "--max-loaded", "1"' in src
+    assert '"examples/serve/demo.py", "--pp", "2", "--max-loaded", "1"' in src
 
 
 # ---- running blocks ----------------------------------------------------------------------------

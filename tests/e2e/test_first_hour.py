@@ -139,17 +139,24 @@ def test_cli_help_imports_neither_torch_nor_transformers():
         assert proc.returncode == 0 and "exit status" in proc.stdout.lower(), (cmd, proc.stdout, proc.stderr)
 
 
-@pytest.mark.timeout(400)
-def test_make_demo_serves_three_models_and_says_how_to_keep_serving(tmp_path):
-    """`make demo`'s script, as it runs it (TP=2, one resident model): every answer, the swaps from /metrics,
-    the TP note, how to keep the server up, and a clean exit of the server."""
-    proc = subprocess.run([sys.executable, "examples/serve/demo.py", "--tp", "2", "--max-loaded", "1",
+@pytest.mark.timeout(600)
+def test_make_demo_answers_paris_and_says_how_to_keep_serving(tmp_path, smollm2_gguf, gguf_cache):
+    """`make demo`'s script, as it runs it (PP=2, one resident model): SmolLM2's GGUF answers the factual
+    question first, and correctly; every other answer, the swaps from /metrics, the PP note, how to keep the
+    server up, and a clean exit of the server. (The GGUF conversion cache is the run's: converted once.)"""
+    proc = subprocess.run([sys.executable, "examples/serve/demo.py", "--pp", "2", "--max-loaded", "1",
                            "--ckpt-dir", str(tmp_path)], cwd=ROOT, env=command_env(), capture_output=True, text=True,
-                          timeout=360)
+                          timeout=540)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
+    first = re.search(r"^\[(\w+)\] (.*)$", out, re.M)  # the first answer printed
+    assert first and first.group(1) == "smol", out
+    assert first.group(2).startswith("streamed chat: 'What is the capital of France?' -> ") and \
+        "Paris" in first.group(2), out
+    assert re.search(r"^\[smol\] chat: 'Name three primary colors.' -> '.+'", out, re.M), out
     assert out.count("] completion (") == 2 and "[gamma] streamed chat:" in out and "[alpha] chat, sampled" in out
-    loads = re.findall(r"^\s+(alpha|beta|gamma)\s+load\s+(\d+)", out, re.M)
-    assert {m for m, _ in loads} == {"alpha", "beta", "gamma"}, out
-    assert "TP=2 on this CPU" in out and "--keep-serving" in out, out
+    loads = re.findall(r"^\s+(smol|alpha|beta|gamma)\s+load\s+(\d+)\s+(\d+\.\d+)", out, re.M)
+    assert {m for m, _, _ in loads} == {"smol", "alpha", "beta", "gamma"}, out
+    assert dict((m, int(n)) for m, n, _ in loads)["smol"] == 2, out  # loaded, evicted, loaded again
+    assert "PP=2:" in out and "--keep-serving" in out, out
     assert "server exited with code 0" in out, out
