@@ -270,3 +270,39 @@ def test_sampled_reference_is_generate_when_greedy(ckpts):
         model, prompt = _hf(ckpts[family]), _prompts(family)[2]
         assert sampled_reference(model, prompt, MAX_TOKENS, 0, 0, 0) == \
             greedy_reference(model, prompt, MAX_TOKENS).tolist(), family
+
+
+# ---- a prompt joining running sequences --------------------------------------------------------------
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in ("mistral", "gemma3_text", "llama")])
+def test_prompt_joining_a_running_sequence_matches_hf(served, ckpts, family):
+    """A long prompt arrives while a short one is generating (it joins the running batch between steps):
+    both answer as the unsharded model does. Sliding-window families (mistral, gemma3_text) count the keys
+    in their window, so the joining prefill must leave no masked columns among a running row's latest keys."""
+    served.require(family)
+    first, joining = _prompts(family + "-join", (3, 10))
+    engine, got = served.engine, {}
+
+    async def go():
+        started = asyncio.Event()
+
+        async def running():
+            toks = []
+            async for t in engine.stream(family, {"input_ids": first, "max_tokens": MAX_TOKENS + 2},
+                                         timeout=REQUEST_TIMEOUT_S):
+                toks.append(int(t))
+                if len(toks) == 5:
+                    started.set()
+            started.set()
+            got["first"] = toks
+
+        async def joins():
+            await started.wait()
+            got["joining"] = (await engine.submit(family, {"input_ids": joining, "max_tokens": MAX_TOKENS},
+                                                  timeout=REQUEST_TIMEOUT_S)).tolist()
+        await asyncio.gather(running(), joins())
+    asyncio.run(go())
+    model = _hf(ckpts[family])
+    assert got["first"] == greedy_reference(model, first, MAX_TOKENS + 2).tolist(), f"{family}: the running one"
+    assert got["joining"] == greedy_reference(model, joining, MAX_TOKENS).tolist(), f"{family}: the joining one"
