@@ -179,3 +179,52 @@ def hanging_lm(path):
     model = zoo.load_causal_lm(path)
     model.model.decoder.embed_tokens.__class__ = _HangingEmbedding
     return model
+
+
+def write_tiny_llama_gguf(path, seed: int = 0) -> str:
+    """A GGUF file transformers reads as a tiny Llama (2 layers, hidden 16, 2 heads / 1 KV head, float32
+    random weights) with a 64-token byte-free vocabulary and a ChatML template: a real conversion in seconds."""
+    import gguf
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    vocab, hidden, layers, ffn, heads, kv = 64, 16, 2, 32, 2, 1
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(ord("A"), ord("A") + vocab - 3)]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    def f(*shape):
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+    w.add_tensor("token_embd.weight", f(vocab, hidden))
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden // heads * kv, hidden)),
+                            ("attn_v", (hidden // heads * kv, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            w.add_tensor(f"blk.{i}.{name}.weight", f(*shape))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

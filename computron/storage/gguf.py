@@ -8,8 +8,8 @@ quantized kernels), and saves it with its tokenizer (chat template included) and
 safetensors checkpoint directory, which is then served like any other (slice reads, disk tier).
 
 The cache: ``$COMPUTRON_CACHE_DIR/gguf`` (default ``~/.cache/computron/gguf``), one directory per file and
-dtype, named ``STEM-DTYPE-KEY`` where KEY hashes the file's absolute path, size, modification time and the
-dtype: a file changed in place converts again; deleting the cache is always safe. A conversion is written
+dtype, named ``STEM-DTYPE-KEY`` where KEY hashes the file's absolute path (links resolved), size, modification
+time and the dtype: a file changed in place converts again; deleting the cache is always safe. A conversion is written
 into a temporary directory next to its target and renamed into place (``os.replace``), so a conversion that
 was killed leaves no half-made checkpoint (its temporary directory is removed by the next one); a lock file
 (``fcntl.flock``) makes a second process converting the same file wait for the first and use its result.
@@ -71,8 +71,8 @@ def _dtype(dtype: Optional[str]) -> str:
 
 def cache_dir(path, dtype: Optional[str] = None) -> str:
     """The directory ``path``'s conversion to ``dtype`` has (or will have) in the cache: keyed by the file's
-    absolute path, size and modification time, and the dtype."""
-    full = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    absolute path (symbolic links resolved), size and modification time, and the dtype."""
+    full = os.path.realpath(os.path.expanduser(os.fspath(path)))
     st = os.stat(full)
     dtype = _dtype(dtype)
     key = hashlib.sha256(f"{full}\0{st.st_size}\0{st.st_mtime_ns}\0{dtype}".encode()).hexdigest()[:16]
@@ -255,14 +255,19 @@ def _convert(info: GGUFInfo, dtype: str, out: str, target: str) -> None:
             model.hf_quantizer = None  # the weights are plain tensors now: saved as such, loaded as such
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
+            # save_pretrained writes only on torch.distributed's rank 0 when this process is in a group, and
+            # the master of a running engine is (rank tp*pp: a model added while serving, a repository's model)
+            model.should_save_on_this_rank = lambda *args, **kwargs: True
             log.info("saving %s as safetensors (read in %.1f s)", name, time.perf_counter() - t0)
             model.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
-    except GGUFError:
-        raise
     except Exception as exc:  # noqa: BLE001 - one line naming the file, whatever transformers raised
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise GGUFError(f"{info.path}: transformers cannot convert it: {type(exc).__name__}: {first}") from None
+    written = os.listdir(out)
+    if "config.json" not in written or not any(f.endswith(".safetensors") for f in written):
+        raise GGUFError(f"{info.path}: transformers wrote no checkpoint (config.json and safetensors weights) "
+                        f"when saving its conversion, only {sorted(written)}")
     nbytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     with open(os.path.join(out, "gguf_source.json"), "w") as f:
         json.dump({"gguf": info.path, "size": info.size, "mtime_ns": os.stat(info.path).st_mtime_ns,

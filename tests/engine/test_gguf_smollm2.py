@@ -8,19 +8,25 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, command_env
+from helpers import ROOT, command_env, write_tiny_llama_gguf
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, loading, zoo
 from computron.storage import gguf
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24
+TINY_PROMPT = [1, 20, 21, 22, 2, 1, 5]
 
 
 @pytest.mark.timeout(900)
-def test_smollm2_gguf_over_two_stages_matches_transformers(smollm2_gguf, gguf_cache, caplog):
+def test_smollm2_gguf_over_two_stages_matches_transformers(smollm2_gguf, gguf_cache, caplog, tmp_path):
+    """At launch (converted before the process group exists), and a tiny Llama GGUF added while serving
+    (converted in the master, rank 2 of the group: transformers' save_pretrained alone would write no weights
+    there)."""
     from transformers import AutoTokenizer
     mc = ModelConfig("smol", loading.load_causal_lm, {"path": smollm2_gguf}, checkpoint=smollm2_gguf)
+    tiny_file = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    tiny = ModelConfig("tiny", loading.load_causal_lm, {"path": tiny_file}, checkpoint=tiny_file)
 
     async def serve():
         engine = await asyncio.to_thread(LaunchEngine, EngineConfig(start_timeout_s=300), [mc], 1, 2)
@@ -29,9 +35,13 @@ def test_smollm2_gguf_over_two_stages_matches_transformers(smollm2_gguf, gguf_ca
             prompt = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"])
             out = await engine.submit("smol", {"input_ids": prompt, "max_tokens": MAX_TOKENS})
-            return tok, prompt, out.tolist(), engine.metrics("load")
+            await engine.add_model(tiny)
+            tiny_out = await engine.submit("tiny", {"input_ids": TINY_PROMPT, "max_tokens": 8})
+            return tok, prompt, out.tolist(), engine.metrics("load"), tiny_out.tolist()
     with caplog.at_level(logging.INFO, logger="computron.gguf"):
-        tok, prompt, out, loads = asyncio.run(serve())
+        tok, prompt, out, loads, tiny_out = asyncio.run(serve())
+    assert tiny.checkpoint == gguf.cache_dir(tiny_file)
+    assert tiny_out == zoo.reference_generate(loading.load_causal_lm(tiny.checkpoint), TINY_PROMPT, 8).tolist()
     converted = gguf.cache_dir(smollm2_gguf)
     assert mc.checkpoint == converted and mc.model_kwargs["path"] == converted
     assert any(m in r.getMessage() for r in caplog.records for m in ("converted", "(cached)")), caplog.text

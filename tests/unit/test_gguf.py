@@ -203,6 +203,41 @@ def test_a_second_converter_waits_for_the_first(tmp_path, cache, monkeypatch):
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1] == gguf.cache_dir(path)
 
 
+# ---- a real conversion (a tiny Llama) --------------------------------------------------------------
+
+def test_tiny_llama_converted_as_transformers_reads_it(tmp_path, cache):
+    """What the cache holds is what transformers reads from the GGUF file itself: the same logits, the
+    tokenizer with its chat template, the generation config; bfloat16 is served as bfloat16."""
+    import torch
+    from helpers import write_tiny_llama_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    out = gguf.convert(path)
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "chat_template.jinja",
+            "gguf_source.json"} <= set(os.listdir(out))
+    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf").eval()
+    ids = torch.tensor([[1, 5, 9, 30, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(loading.load_causal_lm(out)(ids).logits, direct(ids).logits)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.apply_chat_template([{"role": "user", "content": "ABC"}], add_generation_prompt=True,
+                                   tokenize=False) == "<|im_start|>user\nABC<|im_end|>\n<|im_start|>assistant\n"
+    assert json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == 2
+    bf16 = gguf.convert(path, "bfloat16")
+    assert loading.checkpoint_dtype(bf16) == "bfloat16" and loading.checkpoint_dtype(out) == "float32"
+
+
+def test_conversion_inside_a_process_group_of_rank_other_than_0(tmp_path, cache, monkeypatch):
+    """The master of a running engine is rank tp*pp of its process group, where transformers' save_pretrained
+    writes no weights (a model added while serving converts there): the conversion writes them all the same."""
+    import transformers.distributed.mixin as mixin
+    from helpers import write_tiny_llama_gguf
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 2)
+    out = gguf.convert(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+
+
 # ---- where a checkpoint goes --------------------------------------------------------------------
 
 def test_preflight_converts_and_names_the_directory(tmp_path, cache, fake_convert):
