@@ -219,6 +219,7 @@ def test_tiny_llama_converted_as_transformers_reads_it(tmp_path, cache):
     ids = torch.tensor([[1, 5, 9, 30, 2, 7]])
     with torch.no_grad():
         assert torch.equal(loading.load_causal_lm(out)(ids).logits, direct(ids).logits)
+        assert torch.equal(loading.load_causal_lm(path)(ids).logits, direct(ids).logits)  # the loader, called alone
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.apply_chat_template([{"role": "user", "content": "ABC"}], add_generation_prompt=True,
                                    tokenize=False) == "<|im_start|>user\nABC<|im_end|>\n<|im_start|>assistant\n"
