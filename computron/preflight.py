@@ -286,11 +286,11 @@ def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
                              f"vocab_size={vocab} (it would let out-of-range ids through): leave batch_manager=None "
                              "to have one built from the checkpoint, or build it with for_config of that config")
     model_type = hf_cfg.get("model_type")
-    if causal_loader and model_type not in supported_families():
-        from .models.families import GENERIC_HINT
+    from .models.families import GENERIC_HINT, PLAN_DECODERS, serves_causal_lm
+    if causal_loader and not serves_causal_lm(hf_cfg):
         raise PreflightError(
-            f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported "
-            f"model_type: {', '.join(supported_families())}); {GENERIC_HINT}")
+            f"model {mid!r}: {source} is a {model_type!r} causal LM, which the engine cannot shard (supported: "
+            f"model_type {', '.join(supported_families())} and {PLAN_DECODERS}); {GENERIC_HINT}")
     _check_shape(mid, source, hf_cfg, tp, pp)
 
 
@@ -310,10 +310,14 @@ def _check_generation_config(mc: ModelConfig) -> None:
 
 def _check_shape(mid: str, source: str, c: Dict[str, Any], tp: int, pp: int) -> None:
     text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
-    if tp > 1:  # which runner will serve it is not known yet: every field some family splits
+    if tp > 1:
         from .models.families import check_tp_divisible, tp_fields_of_any_family
+        from .models.plans import check_tp, decoder_plan
         try:
-            check_tp_divisible(text, tp_fields_of_any_family(), tp, mid, source)
+            if text.get("model_type") != "opt" and decoder_plan(text) is not None:
+                check_tp(text, tp, mid, source)
+            else:  # which runner will serve it is not known yet: every field some family splits
+                check_tp_divisible(text, tp_fields_of_any_family(), tp, mid, source)
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
     layers = text.get("num_hidden_layers")
