@@ -68,7 +68,8 @@ def gpt2_tiny():
 @pytest.mark.timeout(120)
 def test_unsupported_causal_lm_from_model_fn_fails_the_launch():
     with pytest.raises(LaunchError, match=r"model 'g': GPT2LMHeadModel \('gpt2'\) is a causal LM the engine "
-                                          r"cannot shard \(supported model_type: .*llama.*opt"):
+                                          r"cannot shard \(supported: model_type .*llama.*opt.* and any transformers "
+                                          r"decoder whose config declares base_model_pp_plan\)"):
         engine = LaunchEngine(EngineConfig(start_timeout_s=100), [ModelConfig("g", gpt2_tiny)])
         engine.close()  # not reached when the launch fails as it should
 
