@@ -281,13 +281,13 @@ def test_add_refuses_ranks_over_max_and_duplicates(lora_setup):
 
 # ---- TP=2: two gloo processes ---------------------------------------------------------------------
 
-def _tp2_rank(rank, init_file, cases, out_dir):
+def _tp_rank(rank, world, init_file, cases, out_dir):
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for name, path, infos in cases:
-            runner = build_runner(path, tp=2, rank=rank, tp_group=dist.group.WORLD)
+            runner = build_runner(path, tp=world, rank=rank, tp_group=dist.group.WORLD)
             slots = slots_for(runner, infos)
             targets = slots._targets.values()
             assert any(t.row_parallel for t in targets) and any(not t.row_parallel for t in targets)
@@ -298,13 +298,15 @@ def _tp2_rank(rank, init_file, cases, out_dir):
         dist.destroy_process_group()
 
 
-def test_tp2_column_and_row_parallel_slices_match_peft(lora_setup, tmp_path):
-    """TP=2 over gloo: B split by output rows on column-parallel Linears, A by input columns on row-parallel
-    ones with the partial sums all-reduced; Llama's k/v have fewer heads than q."""
-    cases = [(b, lora_setup[b][0], infos_of(lora_setup[b][0], lora_setup[b][1])) for b in ("opt0", "llama0")]
+@pytest.mark.parametrize("world,bases", [(2, ("opt0", "llama0")), (4, ("llama0",))], ids=["tp2", "tp4"])
+def test_tp_column_and_row_parallel_slices_match_peft(lora_setup, tmp_path, world, bases):
+    """TP over gloo: B split by output rows on column-parallel Linears, A by input columns on row-parallel
+    ones with the partial sums all-reduced; Llama's k/v have fewer heads than q, and at TP=4 fewer than the
+    ranks (each of its 2 KV heads kept by two ranks: B's rows of that head on both)."""
+    cases = [(b, lora_setup[b][0], infos_of(lora_setup[b][0], lora_setup[b][1])) for b in bases]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_tp2_rank, args=(r, str(tmp_path / "init"), cases, str(tmp_path)), daemon=True)
-             for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, world, str(tmp_path / "init"), cases, str(tmp_path)),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -315,7 +317,7 @@ def test_tp2_column_and_row_parallel_slices_match_peft(lora_setup, tmp_path):
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert [p.exitcode for p in procs] == [0] * world
     for name, _, _ in cases:
         got = torch.load(str(tmp_path / f"{name}.pt"))
         assert_rows_match(got["logits"], got["tokens"], ROWS, lora_setup[name][2])
