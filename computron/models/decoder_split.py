@@ -26,7 +26,7 @@ from .base import uniform_split
 from .families import Family, has_submodule, shard_layers
 from .local_tp import ColumnParallelLinear
 from .plans import DecoderPlan, check_tp, decoder_plan, part_sizes
-from .row_split import block, kv_head_pieces, split_rows, split_vocab, tp_rank
+from .row_split import block, kv_head_pieces, packed_pieces, split_rows, split_vocab, tp_rank
 
 
 @dataclass
@@ -181,12 +181,8 @@ def _split_layer(layer: nn.Module, plan: DecoderPlan, config, attn_config, famil
             manual[path] = kv_rows  # fewer KV heads than ranks: this rank's query heads' KV head
     for path, parts in plan.packed:
         if has_submodule(layer, path):
-            pieces, start = [], 0
-            for part, n in zip(parts, part_sizes(parts, config)):
-                local = kv_rows if part == "kv" else (block(n, tp, rank),)
-                pieces.extend((start + a, c) for a, c in local)
-                start += n
-            manual[path] = tuple(pieces)
+            manual[path] = packed_pieces([(n, kv_rows if part == "kv" else (block(n, tp, rank),))
+                                          for part, n in zip(parts, part_sizes(parts, config))])
     tp_plan = {p: ColwiseParallel() for p in plan.colwise if p not in manual and has_submodule(layer, p)}
     tp_plan.update({p: RowwiseParallel() for p in plan.rowwise if has_submodule(layer, p)})
     shard_layers([layer], family, tp_plan, ctx, config, what="decoder layer")

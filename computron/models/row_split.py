@@ -39,13 +39,12 @@ def block(n: int, tp: int, rank: int) -> Tuple[int, int]:
     return first, max(0, min(n, first + chunk) - first)
 
 
-def packed_pieces(sizes: Sequence[int], tp: int, rank: int) -> Pieces:
-    """Rank ``rank``'s rows of a fused Linear whose parts of ``sizes`` rows are each split in ``tp`` blocks."""
+def packed_pieces(parts: Sequence[Tuple[int, Pieces]]) -> Pieces:
+    """Rows of a fused Linear whose parts (``(rows, this rank's pieces of them)``) are stacked in order."""
     out, start = [], 0
-    for n in sizes:
-        first, count = block(n, tp, rank)
-        out.append((start + first, count))
-        start += n
+    for size, local in parts:
+        out.extend((start + a, n) for a, n in local)
+        start += size
     return tuple(out)
 
 
