@@ -125,7 +125,7 @@ def cut_decoder(model: nn.Module, family: Family, ctx) -> DecoderCut:
         attn_config = _tp_attention_config(config, ctx.tp)
         for layer in base.get_submodule(plan.layers):
             _split_layer(layer, plan, config, attn_config, family, ctx)
-        split_vocab(embedding, lm_head, model, ctx)
+        split_vocab(embedding, lm_head, ctx)
     return DecoderCut(base, base.get_submodule(plan.layers), list(part), embedding, lm_head, ctx.tp > 1, vocab,
                       plan)
 

@@ -110,7 +110,7 @@ def gather_vocab(logits: torch.Tensor, vocab: int, tp: int, group) -> torch.Tens
     return torch.cat(parts, dim=-1)[..., :vocab]
 
 
-def split_vocab(embedding: nn.Module, lm_head: nn.Module, model: nn.Module, ctx) -> None:
+def split_vocab(embedding: nn.Module, lm_head: nn.Module, ctx) -> None:
     """Split the embedding and the LM head (either may be None: not on this stage) by vocabulary blocks,
     keeping them tied where they share one weight."""
     tp, rank = ctx.tp, tp_rank(ctx)

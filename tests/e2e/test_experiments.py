@@ -378,16 +378,22 @@ def test_burst_and_preparation_benchmarks_cpu_paths(tmp_path):
     assert line["quiet_step_gap_ms_p50"] is not None and line["master_ms_per_step"] > 0
 
 
-@pytest.mark.timeout(300)
-def test_tp_forward_benchmark_quick_path():
-    """benchmarks/tp_forward.py at opt-tiny, as a command (its ranks are spawned processes): every variant timed,
-    the ratios are those of the decode times it reports."""
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tp_forward.py"), "--quick"],
+def _quick_benchmark(script: str) -> dict:
+    """``benchmarks/<script> --quick`` as a command (its ranks are spawned processes): it exits 0 and prints
+    exactly one JSON line, returned."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick"],
                          capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1, run.stdout[-2000:]
-    doc = json.loads(lines[0])
+    return json.loads(lines[0])
+
+
+@pytest.mark.timeout(300)
+def test_tp_forward_benchmark_quick_path():
+    """benchmarks/tp_forward.py at opt-tiny, as a command (its ranks are spawned processes): every variant timed,
+    the ratios are those of the decode times it reports."""
+    doc = _quick_benchmark("tp_forward.py")
     assert doc["benchmark"] == "tp_forward" and doc["tp"] == 2 and doc["local_equals_dtensor"] is True
     for variant in ("local", "dtensor", "dtensor_inference_mode"):
         assert doc[variant]["prefill_s"] > 0 and set(doc[variant]["decode_s"]) == {"1", "8"}
@@ -421,12 +427,7 @@ def test_cpu_linear_benchmark_quick_path():
 def test_vocab_split_benchmark_quick_path():
     """benchmarks/vocab_split.py: at TP=2 a rank's shard holds half the embedding and LM head (the bytes a swap
     moves), where whole copies would make it nearly the TP=1 shard."""
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vocab_split.py"), "--quick"],
-                         capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = run.stdout.strip().splitlines()
-    assert len(lines) == 1, run.stdout[-2000:]
-    doc = json.loads(lines[0])
+    doc = _quick_benchmark("vocab_split.py")
     assert doc["benchmark"] == "vocab_split" and doc["tp"] == 2
     assert doc["embed_share_moved"] == pytest.approx(0.5, abs=0.01)
     assert doc["tp_shard_bytes"] < doc["tp_replicated_bytes"] and doc["tp1_shard_bytes"] > doc["tp_shard_bytes"]
