@@ -26,12 +26,30 @@ def test_fused_parts_experts_and_other_layouts():
     phi3 = decoder_plan({"model_type": "phi3"})
     assert dict(phi3.packed) == {"self_attn.qkv_proj": ("q", "kv", "kv"), "mlp.gate_up_proj": ("ffn", "ffn")}
     assert "self_attn.qkv_proj" not in phi3.colwise and "self_attn.o_proj" in phi3.rowwise
-    mixtral = decoder_plan({"model_type": "mixtral"})
-    assert mixtral.experts == ("mlp.experts",) and not any("experts" in p for p in mixtral.colwise + mixtral.rowwise)
+    mixtral = decoder_plan({"model_type": "mixtral"})  # transformers 5.25 no longer lists the experts at all
+    assert not any("experts" in p for p in mixtral.colwise + mixtral.rowwise + mixtral.replicated)
+    assert "self_attn.q_proj" in mixtral.colwise and mixtral.tp_refusal() is None
     neox = decoder_plan({"model_type": "gpt_neox"})
     assert (neox.embeddings, neox.final_norm) == ("embed_in", "final_layer_norm")
     assert "attention.query_key_value" in neox.colwise
     assert decoder_plan({"model_type": "opt"}) is None and decoder_plan({"model_type": "no-such"}) is None
+
+
+class _MoeConfig:
+    """A plan as transformers up to 5.24 declared Mixtral's: experts by path and by style."""
+    model_type = "mixtral"
+    base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states"], []),
+                          "norm": (["hidden_states"], ["hidden_states"])}
+    base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                          "layers.*.mlp.experts.gate_up_proj": "local_packed_rowwise",
+                          "layers.*.mlp.experts.down_proj": "local_rowwise", "layers.*.mlp.router": "ep_router"}
+
+
+def test_experts_stay_whole_whether_named_by_path_or_by_style():
+    plan = decoder_plan(_MoeConfig())
+    assert plan.experts == ("mlp.experts", "mlp.router")
+    assert plan.colwise == ("self_attn.q_proj",) and plan.rowwise == ("self_attn.o_proj",)
+    assert plan.tp_refusal() is None
 
 
 def test_granite_scales_inputs_embeds_again_on_later_stages():
