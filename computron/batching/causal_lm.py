@@ -26,6 +26,7 @@ from ..comm.validation import int_list, is_finite_number, is_valid_seed
 from ..errors import PayloadError
 from ..loading import checkpoint_of
 from .base import BatchManager, SubmitEntry, TaskEntry
+from .controls import CONTROL_FIELDS, asks_controls, check_controls, spec_fields
 from .generation import GenerationConfigError, GenerationDefaults, fill, merge_eos, read_generation_config
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,14 @@ class CausalLMBatchManager(BatchManager):
     def __init__(self, max_batch_size: int = 8, pad_token_id: int = 1, eos_token_id: Union[int, List[int], None] = 2,
                  vocab_size: Optional[int] = None, max_positions: Optional[int] = None,
                  default_max_tokens: int = 16, max_tokens_limit: int = 4096,
-                 generation: Union[GenerationDefaults, Mapping[str, Any], None] = None):
+                 generation: Union[GenerationDefaults, Mapping[str, Any], None] = None,
+                 tokenizer_path: Optional[str] = None):
         """``max_positions`` (the model's ``max_position_embeddings``) bounds prompt + ``max_tokens``;
         ``max_tokens_limit`` bounds ``max_tokens`` only for a model whose positions are unknown.
         ``generation``: the model's generation config (``GenerationDefaults``, or the fields of one as a
-        dict): its EOS ids join ``eos_token_id``, its defaults fill the fields a request leaves unset."""
+        dict): its EOS ids join ``eos_token_id``, its defaults fill the fields a request leaves unset.
+        ``tokenizer_path``: a directory with the model's tokenizer, which requests with a ``grammar`` need
+        (``batching.grammar``)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
         self.max_batch_size = max_batch_size
@@ -59,6 +63,11 @@ class CausalLMBatchManager(BatchManager):
         self.max_positions = max_positions
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
+        self.tokenizer_path = tokenizer_path
+        self._grammars = None
+        self.request_level = False
+        """Set by the engine when this model generates a whole batch per command (no token-level steps):
+        then the sampling controls (``batching.controls``) are refused."""
 
     @classmethod
     def for_config(cls, hf_config, max_batch_size: int = 8, **kw) -> "CausalLMBatchManager":
@@ -70,6 +79,9 @@ class CausalLMBatchManager(BatchManager):
         """``for_config`` of a checkpoint directory's config.json, with its generation_config.json (if any):
         ``GenerationConfigError`` naming the file and field when that cannot be read."""
         from .common import load_config
+        from ..loading import has_tokenizer
+        if has_tokenizer(path):
+            kw.setdefault("tokenizer_path", path)
         return cls.for_config(load_config(path), max_batch_size, generation=read_generation_config(path), **kw)
 
     # ---- a request's unset fields --------------------------------------------
@@ -95,7 +107,7 @@ class CausalLMBatchManager(BatchManager):
         """Raise ``PayloadError`` naming the field (its ``param``) for a request the model cannot serve."""
         if not isinstance(data, dict):
             raise TypeError(f"a generation request is a dict with 'input_ids', got {type(data).__name__}")
-        unknown = sorted(set(data) - {"input_ids", "attention_mask", "max_tokens", *_SAMPLING})
+        unknown = sorted(set(data) - {"input_ids", "attention_mask", "max_tokens", *_SAMPLING, *CONTROL_FIELDS})
         if unknown:
             raise PayloadError(f"unknown request fields {unknown}", unknown[0])
         if "input_ids" not in data:
@@ -113,7 +125,8 @@ class CausalLMBatchManager(BatchManager):
                                    "attention_mask")
             if not any(mask):
                 raise PayloadError("attention_mask has no 1: the model would see no token at all", "attention_mask")
-        self._check_length(len(ids), self._max_tokens(self.with_defaults(data)))
+        max_tokens = self._max_tokens(self.with_defaults(data))
+        self._check_length(len(ids), max_tokens)
         k = data.get("top_k")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise PayloadError(f"top_k={k!r}: must be an int >= 0", "top_k")
@@ -126,6 +139,25 @@ class CausalLMBatchManager(BatchManager):
         seed = data.get("seed")
         if seed is not None and not is_valid_seed(seed):
             raise PayloadError(f"seed={seed!r}: must be an int in [0, 2**63)", "seed")
+        check_controls(data, self.vocab_size, max_tokens)
+        asked = asks_controls(data)
+        if asked is not None and self.request_level:
+            raise PayloadError(f"{asked}: this model generates whole batches per command (step_mode off or "
+                               f"paper mode), which has no per-sequence sampling controls", asked)
+        if data.get("grammar") is not None:
+            self.grammar(data["grammar"])
+
+    def grammar(self, grammar: Any):
+        """A request's grammar compiled for this model (``batching.grammar``; cached): PayloadError naming
+        "grammar" if it is malformed, does not compile, or the model has no tokenizer to compile it with."""
+        from .grammar import GrammarCompiler, grammar_key
+        grammar_key(grammar)
+        if self.tokenizer_path is None:
+            raise PayloadError("grammar: this model has no tokenizer beside its checkpoint to compile a grammar "
+                               "with", "grammar")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer_path, self.vocab_size, list(self.eos_token_id or ()))
+        return self._grammars.compile(grammar)
 
     def _check_length(self, n_prompt: int, n: Any) -> None:
         """The prompt and ``max_tokens`` new tokens must fit the model's positions (``max_tokens_limit``
@@ -156,9 +188,11 @@ class CausalLMBatchManager(BatchManager):
         seed = data.get("seed")
         if seed is None:
             seed = random.getrandbits(63) if temperature > 0 else 0
+        grammar = self.grammar(data["grammar"]) if data.get("grammar") is not None else None
         return SeqSpec(sid=uid, prompt=tuple(ids), max_tokens=int(self._max_tokens(data)),
                        eos=tuple(self.eos_token_id or ()), temperature=temperature, top_k=int(data.get("top_k") or 0),
-                       top_p=float(data["top_p"]) if data.get("top_p") is not None else 1.0, seed=int(seed))
+                       top_p=float(data["top_p"]) if data.get("top_p") is not None else 1.0, seed=int(seed),
+                       grammar=grammar, **spec_fields(data, self.vocab_size))
 
     @staticmethod
     def _key(data: Dict[str, Any]) -> Tuple:
@@ -222,7 +256,10 @@ def batch_manager_for(batching: "Optional[BatchingDefaults]", max_batch_size: in
         where = checkpoint_of(model_config) if model_config is not None else None
         try:  # the preflight read it already; a file broken since then is left out, not fatal
             generation = (read_generation_config(where[0]) if where is not None else None) or generation
-            bm = CausalLMBatchManager(max_batch_size=max_batch_size or 8, generation=generation, **kwargs)
+            from ..loading import has_tokenizer
+            tok = where[0] if where is not None and has_tokenizer(where[0]) else None
+            bm = CausalLMBatchManager(max_batch_size=max_batch_size or 8, generation=generation,
+                                      tokenizer_path=tok, **kwargs)
         except GenerationConfigError as exc:
             log.warning("model %r: generation config left out: %s", getattr(model_config, "model_id", None), exc)
             bm = CausalLMBatchManager(max_batch_size=max_batch_size or 8, **kwargs)

@@ -15,8 +15,10 @@ returned (``StepResult``, ``ParkResult``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
+
+from .results import GENERATION_FIELDS, BatchingDefaults, GrammarBlob, ParkResult, StepResult  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,30 @@ class SeqSpec:
     """A resumed sampled sequence's random generator state (instead of ``seed``)."""
     adapter: Optional[str] = None
     """The LoRA adapter this sequence runs with (None: the bare model)."""
+    # ---- sampling controls (``models.sampling``; all off by default) ----
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Tuple[Tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Tuple[int, ...] = ()
+    logprobs: Optional[int] = None
+    """Return each generated token's raw logprob and this many top alternatives (0: the token's alone)."""
+    prompt_logprobs: Optional[int] = None
+    """Score the prompt's tokens in the prefill (with this many alternatives each)."""
+    grammar: Optional["GrammarBlob"] = None
+    """A compiled grammar the generated tokens must follow (xgrammar, serialized by the master)."""
+    generated: int = 0
+    """A resumed sequence: how many of ``prompt``'s last tokens were generated before it was paused (the
+    penalties count them as generated, the grammar has accepted them, ``min_tokens`` counts them)."""
+
+    @property
+    def has_controls(self) -> bool:
+        """Anything beyond temperature/top-k/top-p sampling is asked of the sampling rank."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_p or self.min_tokens or self.grammar is not None)
 
 
 @dataclass(frozen=True)
@@ -147,67 +173,7 @@ class Shutdown:
     seq: int = -1
 
 
-# ---- what runners return (``models.base.GenerativeRunner``), carried by replies ---
-
-
-GENERATION_FIELDS = ("eos_token_id", "temperature", "top_p", "top_k", "do_sample", "max_new_tokens",
-                     "repetition_penalty")
-"""The fields of a generation config (``generation_config.json``) the master reads (``batching.generation``)."""
-
-
-@dataclass(frozen=True)
-class BatchingDefaults:
-    """What a batch manager on the master needs to know about a generative model's token ids."""
-    pad_token_id: int
-    eos_token_id: Any
-    """One id, a list of them (Llama 3), or None."""
-    vocab_size: int
-    max_positions: Optional[int] = None
-    generation: Optional[Dict[str, Any]] = None
-    """The ``GENERATION_FIELDS`` the model's own ``generation_config`` sets (None: not reported): what the
-    master takes when it knows no checkpoint directory of the model to read generation_config.json from."""
-
-    @classmethod
-    def from_config(cls, config, generation_config=None) -> "BatchingDefaults":
-        """From a transformers config (no pad id: 0) and the model's ``generation_config``, if given."""
-        generation = None
-        if generation_config is not None:
-            values = generation_config.to_diff_dict()  # the fields set, not transformers' defaults
-            generation = {k: values[k] for k in GENERATION_FIELDS if values.get(k) is not None}
-        return cls(pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
-                   eos_token_id=config.eos_token_id, vocab_size=config.vocab_size,
-                   max_positions=getattr(config, "max_position_embeddings", None), generation=generation)
-
-    def as_kwargs(self) -> Dict[str, Any]:
-        """The keyword arguments of ``CausalLMBatchManager``."""
-        return asdict(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepResult:
-    """One generation step on one rank (every rank computes all of it).
-
-    ``sids[i]`` got ``tokens[i]`` in this step; ``ended`` lists the sequences that
-    ended with it (EOS or max_tokens) and left the running batch on every rank;
-    ``running`` sequences stay.
-    """
-    sids: Tuple[int, ...] = ()
-    tokens: Tuple[int, ...] = ()
-    ended: Tuple[int, ...] = ()
-    running: int = 0
-    kv_restored_bytes: int = 0
-    """KV cache bytes of paused sequences brought back from host memory at the start of this step."""
-    kv_restore_s: float = 0.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParkResult:
-    """A preempted model's running sequences, put aside before its weights leave the device."""
-    kv_parked_bytes: int = 0
-    """KV cache bytes of paused sequences moved to host memory (this rank)."""
-    kv_park_s: float = 0.0
-    gen_states: Dict[int, bytes] = field(default_factory=dict)
-    """Output rank: generator states of sampled sequences dropped for recompute."""
+# ---- what runners return: ``results`` (imported above, kept importable from here) ---------
 
 
 # ---- worker -> master -------------------------------------------------------

@@ -177,6 +177,8 @@ class Catalog:
                 and batching is not None):
             self._token_level.add_model(key, TokenBatch(bm, bm.max_batch_size, self._config.max_step_tokens,
                                                         self._config.max_loras))
+        elif isinstance(bm, CausalLMBatchManager):
+            bm.request_level = True  # whole batches per command: no per-sequence sampling controls
 
     # ---- removing ------------------------------------------------------------
     def remove(self, model_id: str, done: Done, drain: bool = True) -> None:

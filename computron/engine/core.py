@@ -8,17 +8,14 @@ rank has sent one, to the handler of its command's kind. Futures and streams are
 resolved on their own loop with ``call_soon_threadsafe``. Nothing waits by
 sleeping; the liveness watchdog wakes on a timer only to check on the workers.
 
-Components (one owner each, all called under the engine's lock):
-``requests.RequestTable`` (queues, answers), ``commands.CommandTracker``
-(sequence numbers, replies per rank), ``token_level.TokenLevel`` (every running
-batch of token-level generation), ``swaps.Swaps`` (loads and offloads),
-``liveness.Liveness`` (heartbeats, the watchdog), ``telemetry.Telemetry``
-(records, timeline, counters), ``catalog.Catalog`` (which models and versions
-exist; adding, replacing, removing them while serving), ``adapters.Adapters``
-(LoRA adapters on served models) and ``host_models.HostModels`` (the models kept in host
-memory by plan). ``views.EngineViews`` is the read-only half of the public API. Causal LMs
-generate token by token (``EngineConfig.step_mode``); other models, and paper mode, run
-each batch as one command.
+Components (one owner each, all called under the engine's lock): ``requests.RequestTable`` (queues, answers),
+``commands.CommandTracker`` (sequence numbers, replies per rank), ``token_level.TokenLevel`` (every running
+batch of token-level generation), ``swaps.Swaps`` (loads and offloads), ``liveness.Liveness`` (heartbeats,
+the watchdog), ``telemetry.Telemetry`` (records, timeline, counters), ``catalog.Catalog`` (which models and
+versions exist; adding, replacing, removing them while serving), ``adapters.Adapters`` (LoRA adapters on
+served models) and ``host_models.HostModels`` (the models kept in host memory by plan).
+``views.EngineViews`` is the read-only half of the public API. Causal LMs generate token by token
+(``EngineConfig.step_mode``); other models, and paper mode, run each batch as one command.
 """
 from __future__ import annotations
 
@@ -43,7 +40,7 @@ from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .host_models import HostModels, HostModelsControl
 from .liveness import Liveness
-from .preparation import preparation_pool
+from .preparation import PumpSoon, preparation_pool
 from .requests import RequestTable
 from .sequences import TokenBatch, consume
 from .swaps import Swaps
@@ -68,6 +65,7 @@ class Engine(EngineViews, HostModelsControl):
         paper = config.paper_mode
         self._sched = make_scheduler(config, model_configs, workers)  # one batch (or step) in flight per model
         self._lock = threading.RLock()  # re-entered: a reply handler may end in _die
+        self._pump_soon = PumpSoon(self._pump, self._lock)  # a caller's requests of one loop tick: one step
         self._telemetry = Telemetry(config.metrics_history)
         self._requests = RequestTable(self._batch_managers, {
             mc.model_id: config.queue_size if mc.queue_size is None else mc.queue_size for mc in model_configs},
@@ -194,10 +192,12 @@ class Engine(EngineViews, HostModelsControl):
     async def stream(self, model_id: str, data: Any, timeout: Optional[float] = None) -> AsyncIterator[int]:
         """Queue one generation request and yield its new token ids as they are produced.
 
-        The tokens are exactly those ``submit`` would return. Leaving the loop early (``break``,
-        ``aclose()``, a cancelled task) or going over ``timeout`` seconds in all drops the sequence
-        at the next step and frees its cache. Models that do not generate token by token yield
-        their whole answer at the end.
+        The tokens are exactly those ``submit`` would return (a 1-D LongTensor of ids, always); a request
+        with ``logprobs`` or ``prompt_logprobs`` yields ``protocol.TokenLogprob`` items (the token, its raw
+        logprob, its top alternatives) instead of ints, after one ``PromptLogprobs`` first for
+        ``prompt_logprobs``. Leaving the loop early (``break``, ``aclose()``, a cancelled task) or going
+        over ``timeout`` seconds in all drops the sequence at the next step and frees its cache. Models
+        that do not generate token by token yield their whole answer at the end.
         """
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -253,7 +253,7 @@ class Engine(EngineViews, HostModelsControl):
                 if self._catalog.accepts(key) and (adapter is None or self._adapters.route(model_id) is not None):
                     uid = self._requests.add(key, prepared, fut, loop, stream, adapter=adapter)
                     self._sched.note_arrival(key, time.perf_counter())
-                    self._pump()
+                    self._pump_soon.soon(loop)
                     return uid
 
     async def _prepare(self, key: str, data: Any) -> Any:

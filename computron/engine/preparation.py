@@ -10,7 +10,9 @@ a burst of preparation only waits longer itself.
 """
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from ..niceness import lower_this_thread
 
@@ -22,3 +24,24 @@ def _lower_priority() -> None:
 def preparation_pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="computron-prepare",
                               initializer=_lower_priority)
+
+
+class PumpSoon:
+    """Runs ``pump`` (under ``lock``) once per event loop, after the tasks ready on that loop now: requests
+    submitted together (the n choices of one request) are queued before the step that admits them, and
+    sequences with one prompt admitted in one step share its prefill."""
+
+    def __init__(self, pump: Callable[[], None], lock):
+        self._pump, self._lock, self._pending = pump, lock, set()
+
+    def soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            if loop in self._pending:
+                return
+            self._pending.add(loop)
+        loop.call_soon(self._run, loop)
+
+    def _run(self, loop) -> None:
+        with self._lock:
+            self._pending.discard(loop)
+            self._pump()

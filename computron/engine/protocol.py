@@ -71,6 +71,22 @@ class ClusterSnapshot(EngineSnapshot):
                 "restarts": dict(self.restarts)}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated (or prompt) token with its raw logprob (log_softmax of the model's own final logits,
+    before penalties, bias, temperature and grammar) and the ``k`` most likely ``(id, logprob)``, most
+    likely first (``k``: the request's ``logprobs``; none when only ``prompt_logprobs`` was asked)."""
+    token: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens scored by the prefill: one entry per prompt token, the first None."""
+    entries: Tuple[Optional[TokenLogprob], ...]
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """The engine as the server sees it: requests in, answers and state out."""
@@ -86,8 +102,10 @@ class EngineClient(Protocol):
     async def submit(self, model_id: str, data: Any, timeout: Optional[float] = None) -> Any:
         """One request's whole answer (encoders, classifiers, embeddings)."""
 
-    def stream(self, model_id: str, data: Any, timeout: Optional[float] = None) -> AsyncIterator[int]:
-        """One generation request's new token ids, as they are made; closing the iterator cancels it."""
+    def stream(self, model_id: str, data: Any, timeout: Optional[float] = None) -> AsyncIterator[Any]:
+        """One generation request's new token ids, as they are made; closing the iterator cancels it. A
+        request with ``logprobs`` or ``prompt_logprobs`` yields ``TokenLogprob`` items instead of ints,
+        after one ``PromptLogprobs`` first if it asked for ``prompt_logprobs``."""
 
     def snapshot(self) -> EngineSnapshot:
         """``alive``, ``dead_reason`` and each model's ``ModelSnapshot`` (state, tier, waiting, running,
@@ -118,4 +136,5 @@ class EngineClient(Protocol):
         """Stop the engine and its workers (the app does it on exit when it owns the engine)."""
 
 
-__all__ = ["EngineClient", "EngineSnapshot", "ModelSnapshot", "ClusterSnapshot", "ClusterModelSnapshot"]
+__all__ = ["EngineClient", "EngineSnapshot", "ModelSnapshot", "ClusterSnapshot", "ClusterModelSnapshot",
+           "TokenLogprob", "PromptLogprobs"]

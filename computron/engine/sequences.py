@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from ..batching.base import SubmitEntry
 from ..comm.messages import SeqSpec
 from ..errors import RequestTimeoutError
+from .protocol import PromptLogprobs, TokenLogprob
 
 END = object()
 """Put on a stream's queue after its last tokens."""
@@ -46,6 +47,9 @@ class Request:
     preemptions: int = 0
     adapter: Optional[str] = None
     """The LoRA adapter its sequence runs with on its model's weights (None: the bare model)."""
+    logprobs: List[Any] = field(default_factory=list)
+    """What its stream got beyond the ids: ``PromptLogprobs`` and ``TokenLogprob`` items, for a request
+    with ``logprobs`` or ``prompt_logprobs``."""
 
     def _call(self, fn, *args) -> None:
         try:
@@ -53,13 +57,27 @@ class Request:
         except RuntimeError:  # the caller's loop is closed: nobody is waiting
             pass
 
-    def push(self, tokens: List[int]) -> None:
-        """New tokens of a running sequence, in order."""
+    def push(self, tokens: List[int], logprobs: Optional[list] = None, prompt: Optional[tuple] = None) -> None:
+        """New tokens of a running sequence, in order; with their ``logprobs`` (one ``(logprob, top)`` or
+        None per token) and the prompt's scores (``prompt``: the workers' entries), for a request that
+        asked for them: its stream then gets ``TokenLogprob`` items (a ``PromptLogprobs`` first)."""
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self.tokens.extend(tokens)
+        items: list = list(tokens)
+        spec = self.spec
+        if spec is not None and (spec.logprobs is not None or spec.prompt_logprobs is not None):
+            items = []
+            if prompt is not None:
+                items.append(PromptLogprobs(tuple(None if e is None else TokenLogprob(e[0], e[1], tuple(e[2]))
+                                                  for e in prompt)))
+            for i, t in enumerate(tokens):
+                lp = logprobs[i] if logprobs else None
+                items.append(TokenLogprob(t, lp[0], tuple(lp[1])) if lp is not None
+                             else TokenLogprob(t, float("nan")))
+            self.logprobs.extend(items)
         if self.stream is not None:
-            self._call(self.stream.put_nowait, list(tokens))
+            self._call(self.stream.put_nowait, items)
 
     def resolve(self, value: Any = None, error: Optional[BaseException] = None) -> None:
         """Complete the future (and the stream) from any thread."""
@@ -149,17 +167,19 @@ class TokenBatch:
         """Tokens in each running sequence's KV cache (prompt + generated)."""
         return {sid: len(r.spec.prompt) + len(r.tokens) for sid, r in self.running.items()}
 
-    def on_step_done(self, sids, tokens, ended) -> List[Request]:
-        """Hand each sequence its new token; return those that ended, removed from the batch. A
-        preemption decided while the step ran may already have moved some to the recompute list."""
+    def on_step_done(self, sids, tokens, ended, logprobs=(), prompt_logprobs=None) -> List[Request]:
+        """Hand each sequence its new token (and its logprobs, where asked); return those that ended,
+        removed from the batch. A preemption decided while the step ran may already have moved some to
+        the recompute list."""
         ended = set(ended)
         paused = {r.uid: r for r in self.to_recompute}
+        prompt_logprobs = prompt_logprobs or {}
         done = []
-        for sid, token in zip(sids, tokens):
+        for i, (sid, token) in enumerate(zip(sids, tokens)):
             req = self.running.get(sid) or paused.get(sid)
             if req is None:
                 continue  # cancelled while this step ran; the workers drop it next step
-            req.push([token])
+            req.push([token], [logprobs[i]] if logprobs else None, prompt_logprobs.get(sid))
             if sid in ended:
                 if sid in self.running:
                     del self.running[sid]
@@ -186,10 +206,9 @@ class TokenBatch:
     def resume_spec(self, req: Request) -> SeqSpec:
         """A paused sequence rebuilt by prefill: its prompt plus every token generated so far."""
         spec = req.spec
-        return SeqSpec(sid=spec.sid, prompt=spec.prompt + tuple(req.tokens),
-                       max_tokens=spec.max_tokens - len(req.tokens), eos=spec.eos, temperature=spec.temperature,
-                       top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed, gen_state=req.gen_state,
-                       adapter=spec.adapter)
+        return dataclasses.replace(spec, prompt=spec.prompt + tuple(req.tokens),
+                                   max_tokens=spec.max_tokens - len(req.tokens), gen_state=req.gen_state,
+                                   generated=spec.generated + len(req.tokens))
 
     def next_step(self, queue: Deque[SubmitEntry], requests: Dict[int, Request]) -> Tuple[list, tuple, list]:
         """Choose what the next step admits (oldest first, up to the batch size and the prompt-token

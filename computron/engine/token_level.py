@@ -98,7 +98,7 @@ class TokenLevel:
         elif out is not None:
             self._telemetry.counters["tokens"][m] += len(out.sids)
             self._telemetry.kv_bytes[m] = out.kv_bytes
-            for req in tb.on_step_done(out.sids, out.tokens, out.ended):
+            for req in tb.on_step_done(out.sids, out.tokens, out.ended, out.logprobs, out.prompt_logprobs):
                 self._requests.finish(req.uid, torch.tensor(req.tokens, dtype=torch.int64), batch_seq=p.seq)
         restored = sum(x.kv_restored_bytes for x in done)
         if restored:
@@ -110,7 +110,8 @@ class TokenLevel:
         self._telemetry.record(StepRecord(
             m, p.start, now, running=len(out.sids) if out else 0, admitted=p.admitted, dropped=p.dropped,
             rank_times=p.rank_times(), error=error, seq=p.seq, kv_bytes=out.kv_bytes if out else 0,
-            master_s=p.master_s + (time.perf_counter() - now), wall_start=self._telemetry.wall(p.start)))
+            master_s=p.master_s + (time.perf_counter() - now), wall_start=self._telemetry.wall(p.start),
+            prefill_tokens=out.prefill_tokens if out else 0))
 
     # ---- preemption ----------------------------------------------------------
     def preempt(self, model_id: str, target: str, policy: str, now: float) -> tuple:

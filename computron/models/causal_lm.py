@@ -67,6 +67,11 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
     return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
 
 
+def _scores(t, vocab: int) -> torch.Tensor:
+    """A scored prompt's logits on the CPU ([0, V] for a prompt of one token, which has none)."""
+    return t.cpu() if isinstance(t, torch.Tensor) else torch.empty(0, vocab)
+
+
 class CausalLMRunner(GenerativeRunner):
     def __init__(self, model, model_config, ctx: StageContext):
         from .decoder_split import cut_decoder
@@ -100,7 +105,10 @@ class CausalLMRunner(GenerativeRunner):
         return BatchingDefaults.from_config(self.config, getattr(self.model, "generation_config", None))
 
     # ---- one forward of this stage ------------------------------------------
-    def _stage_forward(self, x, attention_mask, position_ids, cache):
+    def _stage_forward(self, x, attention_mask, position_ids, cache, score=None):
+        """This stage's forward; on the last stage the logits of each row's last position. ``score``
+        (last stage): ``{row: n}`` for the rows whose prompt (their last ``n`` positions) is scored too,
+        filled in place with the logits of positions ``-n .. -2`` ([n - 1, V], each predicting the next)."""
         kwargs = {"attention_mask": attention_mask, self._cache_kw: cache, "use_cache": True}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
@@ -111,7 +119,14 @@ class CausalLMRunner(GenerativeRunner):
         hidden = self.base(**kwargs).last_hidden_state
         if not self.ctx.is_last:
             return hidden
-        logits = self.lm_head(hidden[:, -1, :])
+        for row, n in sorted((score or {}).items()):
+            if n > 1:
+                score[row] = self._logits(hidden[row, -n:-1, :])
+        return self._logits(hidden[:, -1, :])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final logits [N, V] of hidden states [N, H] (every TP rank of the last stage)."""
+        logits = self.lm_head(hidden)
         if self.vocab_parallel:
             logits = gather_vocab(logits, self.vocab, self.ctx.tp, self.ctx.groups.tp_group)
         return finish_logits(logits.float(), self.config)
@@ -127,7 +142,7 @@ class CausalLMRunner(GenerativeRunner):
     def _pick(logits: torch.Tensor, batch: Dict[str, Any], gen: Optional[torch.Generator]) -> torch.Tensor:
         """The next token of every row: a request-level batch shares its sampling parameters (the batch
         manager groups requests by them) and one generator, seeded with the batch's seed."""
-        from .running import sample_rows
+        from .sampling import sample_rows
         return sample_rows(logits, batch.get("temperature"), batch.get("top_k"), batch.get("top_p"), gen)
 
     def run(self, batch: Dict[str, Any], weights_ready) -> Optional[torch.Tensor]:
@@ -212,7 +227,7 @@ class CausalLMRunner(GenerativeRunner):
     def drop_all(self) -> None:
         self.running.clear()
 
-    def _chain(self, x, mask, new: int, cache, failed: bool):
+    def _chain(self, x, mask, new: int, cache, failed: bool, score=None):
         """One forward through the pipeline: receive, run this stage, pass on.
 
         Every stage makes the same transfers whether or not it failed (a failed
@@ -228,7 +243,7 @@ class CausalLMRunner(GenerativeRunner):
                 x = p2p.recv_tensor(g.prev_rank(), g.data, dev)
             if failed:
                 raise p2p.UpstreamFailed("an earlier forward of this step failed")
-            y = self._stage_forward(x, mask, self._positions(mask, new), cache)
+            y = self._stage_forward(x, mask, self._positions(mask, new), cache, score)
         except Exception as exc:  # noqa: BLE001 - passed downstream, agreed on by the token broadcast
             err, failed, y = exc, True, None
         if not ctx.is_last:
@@ -236,7 +251,7 @@ class CausalLMRunner(GenerativeRunner):
             y = None
         return y, failed, err
 
-    def _forward_with_adapters(self, rows, ids, mask, new: int, cache, failed: bool):
+    def _forward_with_adapters(self, rows, ids, mask, new: int, cache, failed: bool, score=None):
         """``_chain`` with row ``i`` on adapter ``rows[i]`` (where any row has one); a failure to bring an
         adapter in fails this forward on this rank, which still makes its transfers."""
         lora, err = (self.lora if any(r is not None for r in rows) else None), None
@@ -246,7 +261,7 @@ class CausalLMRunner(GenerativeRunner):
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
         try:
-            y, failed, e = self._chain(ids, mask, new, cache, failed)
+            y, failed, e = self._chain(ids, mask, new, cache, failed, score)
         finally:
             if lora is not None:
                 lora.deactivate()
@@ -255,11 +270,13 @@ class CausalLMRunner(GenerativeRunner):
     def step(self, cmd, weights_ready) -> StepResult:
         """Drop, prefill the admitted sequences, decode the running ones: one token each.
 
-        Every rank runs this with the same command and ends in the same state: the
-        output rank's status travels with the tokens, and on failure every rank
-        drops the model's whole running batch.
+        Every rank runs this with the same command and ends in the same state: the output rank's
+        status, tokens and which sequences they end travel in one broadcast, and on failure every rank
+        drops the model's whole running batch. Admitted sequences with the same prompt and adapter
+        share one prefill row, copied into each of them after the forward.
         """
-        from .running import RunningBatch, sample
+        from .running import RunningBatch
+        from .sampling import SeqSampler, pick, prompt_logprobs
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         rb: RunningBatch = self.running
         rb.drop(cmd.drop)
@@ -269,46 +286,69 @@ class CausalLMRunner(GenerativeRunner):
         n_run, admit = len(rb), list(cmd.admit)
         if not n_run and not admit:  # only drops (every rank knows): nothing to run or to agree on
             return StepResult(kv_restored_bytes=restored, kv_restore_s=t_restore)
-        tokens = torch.empty(n_run + len(admit), dtype=torch.int64, device=dev)
+        firsts, share = rb.shared_prefill(admit)
+        uniq = [admit[i] for i in firsts]
+        scored = {share[i] for i, a in enumerate(admit) if a.prompt_logprobs is not None and not a.generated}
+        score = {j: len(uniq[j].prompt) for j in sorted(scored)}
+        picked = torch.empty(2, n_run + len(admit), dtype=torch.int64, device=dev)  # tokens, ends
         failed, err = False, None
-        rows = [rb.specs[s].adapter for s in rb.sids] + [a.adapter for a in admit]
+        rows = [rb.specs[s].adapter for s in rb.sids] + [a.adapter for a in uniq]
         try:
             weights_ready()
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
-        prompts, pad = [list(a.prompt) for a in admit], int(self.batching_defaults().pad_token_id)
+        prompts, pad = [list(a.prompt) for a in uniq], int(self.batching_defaults().pad_token_id)
         apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit)
-        if apart:  # (adapters of the rows, input ids, mask, new columns, cache) of each forward
+        if apart:  # (adapters of the rows, input ids, mask, new columns, cache, scored rows) of each forward
             ids, mask = rb.decode_inputs()
             new_ids, new_mask, width, new_cache = rb.prefill_inputs(prompts, pad, dev)
-            forwards = [(rows[:n_run], ids, mask, 1, rb.cache), (rows[n_run:], new_ids, new_mask, width, new_cache)]
+            forwards = [(rows[:n_run], ids, mask, 1, rb.cache, None),
+                        (rows[n_run:], new_ids, new_mask, width, new_cache, score)]
         else:
             ids, mask, width = rb.step_inputs(prompts, pad, dev)
-            forwards = [(rows, ids, mask, width, rb.cache)]
+            score = {n_run + j: n for j, n in score.items()}
+            forwards = [(rows, ids, mask, width, rb.cache, score)]
         logits = []
-        for f_rows, f_ids, f_mask, f_new, f_cache in forwards:
-            y, failed, e = self._forward_with_adapters(f_rows, f_ids, f_mask, f_new, f_cache, failed)
+        for f_rows, f_ids, f_mask, f_new, f_cache, f_score in forwards:
+            y, failed, e = self._forward_with_adapters(f_rows, f_ids, f_mask, f_new, f_cache, failed, f_score)
             err = err or e
             logits.append(y)
         y = None if failed or logits[-1] is None else torch.cat(logits)
-        generators = {}
+        index = list(range(n_run)) + [n_run + r for r in share]  # every row's logits and KV row
+        generators, samplers, lps, plps = {}, {}, (), {}
         if ctx.is_output_rank and not failed:
             try:
+                y = y.cpu()[index]
                 generators = {a.sid: _generator(a) for a in admit}
+                gens = {**rb.generators, **generators}
+                samplers = {a.sid: SeqSampler(a, gens.get(a.sid)) for a in admit}
                 specs = [rb.specs[s] for s in rb.sids] + admit
-                tokens.copy_(sample(y.cpu(), specs, {**rb.generators, **generators}).to(dev))
+                toks, ends, lps = pick(y, specs, {**rb.samplers, **samplers}, gens)
+                picked[0].copy_(toks.to(dev))
+                picked[1].copy_(torch.tensor(ends, dtype=torch.int64))
+                offset = 0 if apart else n_run
+                plps = {a.sid: prompt_logprobs(_scores(score.get(offset + share[i]), y.shape[-1]), a.prompt,
+                                               a.prompt_logprobs)
+                        for i, a in enumerate(admit) if share[i] in scored and a.prompt_logprobs is not None}
             except Exception as exc:  # noqa: BLE001
                 failed, err = True, exc
-        if not p2p.broadcast_with_status(tokens, not (failed and ctx.is_output_rank),
+        if not p2p.broadcast_with_status(picked, not (failed and ctx.is_output_rank),
                                         g.layout.output_rank, g.data) or failed:
             rb.clear()
             raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
+        if len(uniq) < len(admit):
+            if apart:
+                new_mask = rb.copy_rows(new_cache, new_mask, share)
+            else:
+                mask = rb.copy_rows(rb.cache, mask, index)
         if apart:
             mask = rb.merge_prefilled(mask, new_mask, new_cache)
-        rb.joined(admit, generators, mask, tokens)
+        tokens = picked[0].clone()
+        rb.joined(admit, generators, mask, tokens, samplers)
         toks = tokens.tolist()
         sids = list(rb.sids)
-        ended = rb.ended([t in rb.specs[s].eos for s, t in zip(sids, toks)])
+        ended = rb.ended([bool(e) for e in picked[1].tolist()])
         rb.drop(ended)
         return StepResult(sids=tuple(sids), tokens=tuple(toks), ended=tuple(ended), running=len(rb),
-                          kv_restored_bytes=restored, kv_restore_s=t_restore)
+                          kv_restored_bytes=restored, kv_restore_s=t_restore, logprobs=lps, prompt_logprobs=plps,
+                          prefill_tokens=sum(len(p) for p in prompts))

@@ -13,9 +13,11 @@ output rank holds the per-sequence random generators.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from .sampling import SeqSampler, sample, sample_rows  # noqa: F401 - the sampling module's, kept importable here
 
 
 def _left_padded(prompts: List[List[int]], width: int, pad_id: int, device: torch.device):
@@ -42,6 +44,8 @@ class RunningBatch:
         self.cache = None                          # transformers DynamicCache, one row per sequence
         self.last: Optional[torch.Tensor] = None   # [B] the newest token of each sequence
         self.generators: Dict[int, torch.Generator] = {}
+        self.samplers: Dict[int, SeqSampler] = {}
+        """Sampling rank: each sequence's sampling state (penalty counts, grammar matcher)."""
         self.parked = False
         """True while the KV caches sit in host memory (the model was preempted and offloaded)."""
 
@@ -102,6 +106,7 @@ class RunningBatch:
             self.specs.pop(s, None)
             self.counts.pop(s, None)
             self.generators.pop(s, None)
+            self.samplers.pop(s, None)
         if not keep:
             self.clear()
             return
@@ -179,8 +184,9 @@ class RunningBatch:
         return torch.cat([left_pad(run_mask, 1), left_pad(new_mask, 1)])
 
     def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask: torch.Tensor,
-               last: torch.Tensor) -> None:
+               last: torch.Tensor, samplers: Optional[Dict[int, SeqSampler]] = None) -> None:
         """After a step's forward: the new rows' sequences join, every row has its newest token."""
+        self.samplers.update(samplers or {})
         for spec in specs:
             self.sids.append(spec.sid)
             self.specs[spec.sid] = spec
@@ -206,37 +212,32 @@ class RunningBatch:
             layer.values = layer.values.gather(2, kv_idx)
 
     def ended(self, eos_hit: List[bool]) -> List[int]:
-        """Sequences whose newest token is an EOS or that reached their max_tokens."""
+        """Sequences whose newest token ended them (an EOS, a stop id, a complete grammar: the sampling
+        rank's verdict) or that reached their max_tokens."""
         return [s for s, hit in zip(self.sids, eos_hit) if hit or self.counts[s] >= self.specs[s].max_tokens]
 
+    # ---- sequences with the same prompt share one prefill row ------------------
+    @staticmethod
+    def shared_prefill(specs: Sequence[object]) -> Tuple[List[int], List[int]]:
+        """``(firsts, rows)``: the admitted sequences that prefill (the first of each group with the same
+        prompt and adapter), and for each admitted sequence the index in ``firsts`` of the row it copies."""
+        seen: Dict[tuple, int] = {}
+        firsts: List[int] = []
+        rows: List[int] = []
+        for i, spec in enumerate(specs):
+            key = (tuple(spec.prompt), spec.adapter)
+            if key not in seen:
+                seen[key] = len(firsts)
+                firsts.append(i)
+            rows.append(seen[key])
+        return firsts, rows
 
-def sample_rows(logits: torch.Tensor, temperature: Optional[float], top_k: Optional[int] = 0,
-                top_p: Optional[float] = 1.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One token per row of ``logits`` [N, V], every row with the same sampling parameters, drawn
-    with one generator in one call: greedy where ``temperature`` is 0 or ``top_k`` is 1, else sampled
-    from the temperature-scaled distribution cut to the ``top_k`` tokens and the ``top_p`` nucleus.
-    ``top_k`` 0 or None and ``top_p`` 1.0 or None do not cut."""
-    if not temperature or top_k == 1:
-        return logits.argmax(-1)
-    logits = logits / float(temperature)
-    if top_k:
-        kth = torch.topk(logits, min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > float(top_p)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-
-
-def sample(logits: torch.Tensor, specs: List[object], generators: Dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row: row ``i`` with ``specs[i]``'s parameters and, where it samples, that
-    sequence's own generator, so a seeded sequence gets the same tokens in any batch."""
-    out = logits.argmax(-1)
-    for i, spec in enumerate(specs):
-        if spec.temperature and spec.top_k != 1:
-            out[i] = sample_rows(logits[i:i + 1], spec.temperature, spec.top_k, spec.top_p,
-                                 generators[spec.sid])[0]
-    return out
+    @staticmethod
+    def copy_rows(cache, mask: torch.Tensor, index: List[int]) -> torch.Tensor:
+        """Rows ``index`` of a cache (in place) and of its mask (returned): prefilled rows copied into the
+        sequences that share them."""
+        idx = torch.tensor(index, dtype=torch.long, device=mask.device)
+        for layer in _layers(cache):
+            layer.keys = layer.keys.index_select(0, idx.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, idx.to(layer.values.device))
+        return mask.index_select(0, idx)

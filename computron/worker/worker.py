@@ -249,7 +249,7 @@ class Worker(ModelChanges, HostTier):
             out = runner.step(cmd, store.wait_segment)
         self._sync_device()
         if not runner.ctx.is_output_rank:  # every rank knows the step's outcome; one reports the tokens
-            out = dataclasses.replace(out, sids=(), tokens=(), ended=())
+            out = dataclasses.replace(out, sids=(), tokens=(), ended=(), logprobs=(), prompt_logprobs={})
         self.channel.reply(msg.StepDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,
                                         end=time.perf_counter(), kv_bytes=runner.kv_bytes(), **vars(out)))
 

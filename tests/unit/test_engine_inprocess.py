@@ -42,7 +42,8 @@ def async_test(fn):
 async def started(coro):
     """Start ``coro`` as a task and let it run up to its first wait: its request is then queued."""
     task = asyncio.ensure_future(coro)
-    await asyncio.sleep(0)  # a yield point for the loop, not a timer
+    await asyncio.sleep(0)  # a yield point for the loop, not a timer: the request is queued
+    await asyncio.sleep(0)  # and the engine acts on it (after the tasks that were ready with it)
     return task
 
 

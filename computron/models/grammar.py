@@ -1,0 +1,78 @@
+"""Structured output on the sampling rank: one xgrammar matcher per sequence, rebuilt from the master's blob.
+
+``matcher_for(blob)`` deserializes the compiled grammar (and its tokenizer info; both cached by the
+blob's key) into a fresh ``Matcher``: ``mask`` sets the logits of the tokens the grammar does not allow
+next to -inf (ids past the tokenizer's vocabulary too), ``accept`` advances it by the chosen token, and
+``terminated`` says the grammar is complete (its stop token accepted). xgrammar is imported here only.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+_CACHE: "OrderedDict[str, object]" = OrderedDict()
+_INFOS: "OrderedDict[str, object]" = OrderedDict()
+_LOCK = threading.Lock()
+_CACHE_SIZE = 64
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise RuntimeError(f"a sequence asks for a grammar, which needs the 'xgrammar' package: {exc}") from None
+    return xgrammar
+
+
+def _compiled(blob):
+    xgr = _xgr()
+    with _LOCK:
+        got = _CACHE.get(blob.key)
+        if got is not None:
+            _CACHE.move_to_end(blob.key)
+            return got
+        info = _INFOS.get(blob.tokenizer_json)
+        if info is None:
+            info = _INFOS[blob.tokenizer_json] = xgr.TokenizerInfo.deserialize_json(blob.tokenizer_json)
+            while len(_INFOS) > 4:
+                _INFOS.popitem(last=False)
+        got = _CACHE[blob.key] = xgr.CompiledGrammar.deserialize_json(blob.grammar_json, info)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        return got
+
+
+class Matcher:
+    def __init__(self, compiled):
+        xgr = _xgr()
+        self._xgr = xgr
+        self.vocab = compiled.tokenizer_info.vocab_size
+        self._m = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab)
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set (in place, a row [V] on the CPU) the logits of the tokens not allowed next to -inf."""
+        self._m.fill_next_token_bitmask(self._bitmask)
+        n = min(self.vocab, logits.shape[-1])
+        row = logits[:n].unsqueeze(0)
+        self._xgr.apply_token_bitmask_inplace(row, self._bitmask, vocab_size=n)
+        if logits.shape[-1] > n:
+            logits[n:] = float("-inf")
+
+    def accept(self, token: int) -> None:
+        if not self._m.is_terminated() and not self._m.accept_token(int(token)):
+            raise RuntimeError(f"the grammar rejected token {token}")
+
+    @property
+    def terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+def matcher_for(blob) -> Matcher:
+    """A fresh matcher of a ``comm.messages.GrammarBlob``."""
+    return Matcher(_compiled(blob))
+
+
+__all__ = ["Matcher", "matcher_for"]
