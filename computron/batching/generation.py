@@ -3,12 +3,12 @@ it lists (``GenerationDefaults``), and how they fill the fields a generation req
 
 - EOS: every id of the file's ``eos_token_id`` (an int or a list) ends a sequence, besides config.json's
   (``merge_eos``; Llama 3 lists its end-of-turn ids only here).
-- Defaults: ``temperature``, ``top_p``, ``top_k`` and ``max_new_tokens`` (the request's ``max_tokens``,
-  capped to the positions the prompt leaves) fill a request field that is absent or None; a value the
-  request sets always wins. ``do_sample: false`` makes greedy the default (temperature 0), ``do_sample:
-  true`` without a ``temperature`` samples at temperature 1; without ``do_sample`` a listed ``temperature``
-  is the default (as vLLM reads these files). ``repetition_penalty`` is not applied: the engine has none
-  (``ignored`` says so, for the log line).
+- Defaults: ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``max_new_tokens`` (the
+  request's ``max_tokens``, capped to the positions the prompt leaves) fill a request field that is absent or
+  None; a value the request sets always wins. ``do_sample: false`` makes greedy the default (temperature 0),
+  ``do_sample: true`` without a ``temperature`` samples at temperature 1; without ``do_sample`` a listed ``temperature``
+  is the default (as vLLM reads these files). ``repetition_penalty`` applies as transformers' ``generate``
+  and vLLM apply it (``batching.controls``), under token-level generation.
 
 A missing file means no defaults; a file that is not JSON, or a field of the wrong type or range, raises
 ``GenerationConfigError`` naming the file and the field. Stdlib only (the preflight reads these files).
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..comm.messages import GENERATION_FIELDS
 
 GENERATION_CONFIG = "generation_config.json"
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens")
 """The request fields a ``GenerationDefaults`` may fill (``max_tokens`` from ``max_new_tokens``)."""
 
 
@@ -78,6 +78,7 @@ class GenerationDefaults:
     """0.0 where ``do_sample`` is false: greedy unless the request asks to sample."""
     top_p: Optional[float] = None
     top_k: Optional[int] = None
+    repetition_penalty: Optional[float] = None
     max_tokens: Optional[int] = None
     """The file's ``max_new_tokens``."""
     source: str = ""
@@ -103,10 +104,10 @@ class GenerationDefaults:
             temperature = 0.0
         elif v["do_sample"] is True and temperature is None:
             temperature = 1.0
-        ignored = []
-        if v["repetition_penalty"] not in (None, 1, 1.0):
-            ignored.append(f"repetition_penalty={v['repetition_penalty']}")
-        return cls(eos_token_id=tuple(eos), temperature=None if temperature is None else float(temperature),
+        ignored: list = []
+        rep = v["repetition_penalty"]
+        return cls(repetition_penalty=None if rep in (None, 1, 1.0) else float(rep),
+                   eos_token_id=tuple(eos), temperature=None if temperature is None else float(temperature),
                    top_p=None if v["top_p"] is None else float(v["top_p"]), top_k=v["top_k"],
                    max_tokens=v["max_new_tokens"], source=source, ignored=tuple(ignored))
 

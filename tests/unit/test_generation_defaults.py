@@ -50,12 +50,11 @@ def test_do_sample_decides_the_default_temperature(values, temperature):
     assert GenerationDefaults.parse(values, "f").temperature == temperature
 
 
-def test_repetition_penalty_is_reported_as_ignored():
+def test_repetition_penalty_is_a_default():
     g = GenerationDefaults.parse({"repetition_penalty": 1.1, "temperature": 0.5}, "/ck/generation_config.json")
-    assert g.ignored == ("repetition_penalty=1.1",)
-    assert "repetition_penalty" not in g.request_defaults()
+    assert g.ignored == () and g.request_defaults()["repetition_penalty"] == 1.1
     assert "repetition_penalty=1.1" in g.describe() and "temperature=0.5" in g.describe()
-    assert GenerationDefaults.parse({"repetition_penalty": 1.0}, "f").ignored == ()
+    assert "repetition_penalty" not in GenerationDefaults.parse({"repetition_penalty": 1.0}, "f").request_defaults()
 
 
 def test_missing_file_means_no_defaults(tmp_path):

@@ -112,3 +112,9 @@ def test_the_core_imports_and_serves_without_xgrammar():
             "    print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_generation_config_repetition_penalty_is_the_default():
+    bm = _bm(generation={"repetition_penalty": 1.3})
+    assert bm.to_spec(0, {"input_ids": [1, 2]}).repetition_penalty == 1.3
+    assert bm.to_spec(1, {"input_ids": [1, 2], "repetition_penalty": 1.0}).repetition_penalty == 1.0
