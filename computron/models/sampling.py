@@ -90,7 +90,8 @@ class SeqSampler:
         self.generator = generator
         n_prompt = len(spec.prompt) - spec.generated
         self.generated: List[int] = list(spec.prompt[n_prompt:])
-        self._prompt_ids = sorted(set(spec.prompt[:n_prompt]))
+        self._n_prompt = n_prompt
+        self._seen: Optional[set] = None  # prompt and generated ids (repetition_penalty), made on first use
         self.stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(spec.eos))
         self.matcher = None
         if spec.grammar is not None:
@@ -120,7 +121,9 @@ class SeqSampler:
             if len(masked_stops):
                 x[masked_stops] = NEG_INF
         if spec.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(self._prompt_ids) | set(self.generated)), dtype=torch.long)
+            if self._seen is None:
+                self._seen = set(spec.prompt[:self._n_prompt]) | set(self.generated)
+            ids = torch.tensor(sorted(self._seen), dtype=torch.long)
             ids = ids[ids < vocab]
             v = x[ids]
             x[ids] = torch.where(v > 0, v / spec.repetition_penalty, v * spec.repetition_penalty)
@@ -145,6 +148,8 @@ class SeqSampler:
     def accept(self, token: int) -> bool:
         """Record the chosen token; True if it ends the sequence (an ending id, or the grammar is complete)."""
         self.generated.append(token)
+        if self._seen is not None:
+            self._seen.add(token)
         if self._counts is not None and token < self._counts.shape[0]:
             self._counts[token] += 1
         ends = token in self.stops

@@ -118,3 +118,23 @@ def test_generation_config_repetition_penalty_is_the_default():
     bm = _bm(generation={"repetition_penalty": 1.3})
     assert bm.to_spec(0, {"input_ids": [1, 2]}).repetition_penalty == 1.3
     assert bm.to_spec(1, {"input_ids": [1, 2], "repetition_penalty": 1.0}).repetition_penalty == 1.0
+
+
+def test_prompt_logprobs_alone_give_token_logprobs_without_alternatives():
+    import asyncio
+
+    from computron.engine.protocol import PromptLogprobs, TokenLogprob
+    from computron.engine.sequences import Request
+    spec = _spec(prompt_logprobs=1)
+    _, _, lps = pick(torch.tensor([[0.0, 1.0, 9.0]]), [spec], {0: SeqSampler(spec, None)}, {})
+    assert lps[0][1] == ()
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        req = Request(0, "m", loop.create_future(), loop, 0.0, 0.0, stream=asyncio.Queue(), spec=spec)
+        req.push([2], list(lps), prompt=(None, (3, -1.5, ((3, -1.5),))))
+        return await req.stream.get(), req.tokens
+
+    items, tokens = asyncio.run(go())
+    assert tokens == [2]
+    assert items == [PromptLogprobs((None, TokenLogprob(3, -1.5, ((3, -1.5),)))), TokenLogprob(2, lps[0][0], ())]
