@@ -15,7 +15,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from ..comm.messages import GrammarBlob
 from ..errors import PayloadError
@@ -57,6 +57,24 @@ def import_xgrammar():
     return xgrammar
 
 
+_INFOS: dict = {}
+_INFOS_LOCK = threading.Lock()
+
+
+def tokenizer_info(path: str, vocab_size: Optional[int], stop_ids: Tuple[int, ...]):
+    """xgrammar's tokenizer info of a tokenizer directory, its vocabulary padded to ``vocab_size`` (the
+    model's logits) and ``stop_ids`` as its stop tokens (none: the tokenizer's EOS); made once per process."""
+    key = (path, vocab_size, stop_ids)
+    with _INFOS_LOCK:
+        if key not in _INFOS:
+            xgr = import_xgrammar()
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            _INFOS[key] = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size,
+                                                             stop_token_ids=list(stop_ids) or None)
+        return _INFOS[key]
+
+
 class GrammarCompiler:
     """Compiles grammars for one model (its tokenizer directory, its logits' vocabulary, its EOS ids)."""
 
@@ -69,17 +87,11 @@ class GrammarCompiler:
         self._cache: "OrderedDict[str, GrammarBlob]" = OrderedDict()
         self._lock = threading.Lock()
         self._compiler = None
-        self._tokenizer_json: Optional[str] = None
 
     def _setup(self):
         if self._compiler is None:
-            xgr = import_xgrammar()
-            from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_ids or None)
-            self._tokenizer_json = info.serialize_json()
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = import_xgrammar().GrammarCompiler(
+                tokenizer_info(self.tokenizer_path, self.vocab_size, tuple(self.stop_ids)), max_threads=1)
         return self._compiler
 
     def compile(self, grammar: Any) -> GrammarBlob:
@@ -97,7 +109,8 @@ class GrammarCompiler:
                 msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
                 raise PayloadError(f"grammar does not compile: {msg}", "grammar") from None
             blob = GrammarBlob(key=hashlib.sha256(key.encode()).hexdigest()[:32],
-                               grammar_json=compiled.serialize_json(), tokenizer_json=self._tokenizer_json)
+                               grammar_json=compiled.serialize_json(), tokenizer_path=self.tokenizer_path,
+                               vocab_size=self.vocab_size, stop_ids=tuple(self.stop_ids))
             self._cache[key] = blob
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -116,4 +129,4 @@ class GrammarCompiler:
         return compiler.compile_grammar(g["grammar"])
 
 
-__all__ = ["GRAMMAR_TYPES", "GrammarCompiler", "grammar_key", "import_xgrammar"]
+__all__ = ["GRAMMAR_TYPES", "GrammarCompiler", "grammar_key", "import_xgrammar", "tokenizer_info"]

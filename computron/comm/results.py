@@ -9,10 +9,14 @@ from typing import Any, Dict, Optional, Tuple
 @dataclass(frozen=True)
 class GrammarBlob:
     """A grammar compiled on the master, as the sampling rank rebuilds it: xgrammar's serialized compiled
-    grammar and tokenizer info (``key`` names it for the worker's cache)."""
+    grammar (``key`` names it for the worker's cache) and how the master made its tokenizer info, which the
+    worker makes again once (from the model's checkpoint directory, which every rank reads its weights
+    from): far smaller than the info itself, which lists the whole vocabulary."""
     key: str
     grammar_json: str
-    tokenizer_json: str
+    tokenizer_path: str
+    vocab_size: Optional[int] = None
+    stop_ids: Tuple[int, ...] = ()
 
 
 GENERATION_FIELDS = ("eos_token_id", "temperature", "top_p", "top_k", "do_sample", "max_new_tokens",

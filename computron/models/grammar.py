@@ -1,9 +1,10 @@
 """Structured output on the sampling rank: one xgrammar matcher per sequence, rebuilt from the master's blob.
 
-``matcher_for(blob)`` deserializes the compiled grammar (and its tokenizer info; both cached by the
-blob's key) into a fresh ``Matcher``: ``mask`` sets the logits of the tokens the grammar does not allow
-next to -inf (ids past the tokenizer's vocabulary too), ``accept`` advances it by the chosen token, and
-``terminated`` says the grammar is complete (its stop token accepted). xgrammar is imported here only.
+``matcher_for(blob)`` deserializes the compiled grammar (cached by the blob's key; its tokenizer info made
+from the model's tokenizer directory once, ``batching.grammar.tokenizer_info``) into a fresh ``Matcher``:
+``mask`` sets the logits of the tokens the grammar does not allow next to -inf (ids past the tokenizer's
+vocabulary too), ``accept`` advances it by the chosen token, and ``terminated`` says the grammar is
+complete (its stop token accepted). xgrammar is imported only when a sequence has a grammar.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from collections import OrderedDict
 
 import torch
 
-_CACHE: "OrderedDict[str, object]" = OrderedDict()
-_INFOS: "OrderedDict[str, object]" = OrderedDict()
+from ..batching.grammar import tokenizer_info
+
+_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
 _LOCK = threading.Lock()
 _CACHE_SIZE = 64
 
@@ -28,17 +30,14 @@ def _xgr():
 
 def _compiled(blob):
     xgr = _xgr()
+    key = (blob.key, blob.tokenizer_path, blob.vocab_size, tuple(blob.stop_ids))  # one grammar, many models
     with _LOCK:
-        got = _CACHE.get(blob.key)
+        got = _CACHE.get(key)
         if got is not None:
-            _CACHE.move_to_end(blob.key)
+            _CACHE.move_to_end(key)
             return got
-        info = _INFOS.get(blob.tokenizer_json)
-        if info is None:
-            info = _INFOS[blob.tokenizer_json] = xgr.TokenizerInfo.deserialize_json(blob.tokenizer_json)
-            while len(_INFOS) > 4:
-                _INFOS.popitem(last=False)
-        got = _CACHE[blob.key] = xgr.CompiledGrammar.deserialize_json(blob.grammar_json, info)
+        info = tokenizer_info(blob.tokenizer_path, blob.vocab_size, tuple(blob.stop_ids))
+        got = _CACHE[key] = xgr.CompiledGrammar.deserialize_json(blob.grammar_json, info)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
         return got
