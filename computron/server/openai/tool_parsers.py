@@ -118,8 +118,9 @@ class _HermesStream(ToolStream):
     def __init__(self):
         self.buf = ""
         self.in_call = False
+        self.calls = 0
         self.blank = ""
-        """Whitespace held back: sent only when content follows it (none between or after calls)."""
+        """Whitespace held back: sent only when content follows it (none around calls)."""
 
     def push(self, piece: str) -> List[Event]:
         self.buf += piece
@@ -131,6 +132,7 @@ class _HermesStream(ToolStream):
                     return out
                 body, self.buf, self.in_call = self.buf[:end], self.buf[end + len(_CLOSE):], False
                 call = _hermes_call(body)
+                self.calls += call is not None
                 out += [call] if call else self._content(_OPEN + body + _CLOSE)
                 continue
             start = self.buf.find(_OPEN)
@@ -145,13 +147,11 @@ class _HermesStream(ToolStream):
             return out
 
     def _content(self, text: str) -> List[Event]:
-        if not text:
-            return []
-        if not text.strip():
-            self.blank += text
-            return []
-        text, self.blank = self.blank + text, ""
-        return [text]
+        """Content to send, less the whitespace it ends with (held: sent only if more content follows)."""
+        text = self.blank + text
+        body = text.rstrip()
+        self.blank = text[len(body):]
+        return [body] if body else []
 
     def finish(self) -> List[Event]:
         if self.in_call:  # an answer that ended inside a call (no closing tag): a call if its JSON is whole
@@ -160,6 +160,9 @@ class _HermesStream(ToolStream):
             return [call] if call else self._content(_OPEN + body)
         out = self._content(self.buf)
         self.buf = ""
+        if self.blank and not self.calls:  # an answer without calls keeps its text whole
+            out.append(self.blank)
+        self.blank = ""
         return out
 
 
