@@ -368,7 +368,7 @@ def test_metrics_parse_and_count_the_requests_sent(server, client, http):
     sent[("m0", "chat", "ok")] += 1
     http.post("/v1/completions", json={"model": "ghost", "prompt": "x"})
     sent[("_unknown", "completions", "unknown_model")] += 1
-    http.post("/v1/completions", json={"model": "m0", "prompt": "x", "n": 4})
+    http.post("/v1/completions", json={"model": "m0", "prompt": "x", "n": 17})  # above server.max_n
     sent[("m0", "completions", "bad_request")] += 1
     after = metrics(server.url)
     for (m, ep, outcome), n in sent.items():
