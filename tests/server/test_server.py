@@ -223,6 +223,8 @@ def test_models_health_and_states(server, client, http):
     body = http.get("/v1/models").json()
     states = {m["id"]: m["state"] for m in body["data"]}
     assert states["m2"] == "resident" and all(states[m] == "offloaded" for m in ("m0", "m1", "nochat", "q"))
+    described = {m["id"]: (m["chat_template"], m["tool_call_parser"], m["max_model_len"]) for m in body["data"]}
+    assert described["m0"] == (True, "hermes", 2048) and described["nochat"] == (False, "hermes", 2048)
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     status = httpx.get(server.url + "/api/status").json()
     assert {m["id"]: m["state"] for m in status["models"]}["m2"] == "resident"

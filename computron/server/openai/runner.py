@@ -25,6 +25,8 @@ class Generation:
         self.state, self.request, self.call, self.model_id, self.runs = state, request, call, model_id, runs
         self.queue: asyncio.Queue = asyncio.Queue()
         self.errors: Dict[int, BaseException] = {}
+        self.early: Dict[int, BaseException] = {}
+        """The errors of choices that failed before their first item (answered with their status code)."""
         self.ttft = -1.0
         self._first: List[asyncio.Event] = []
         self._tasks: List[asyncio.Task] = []
@@ -43,6 +45,8 @@ class Generation:
                     break
         except Exception as exc:  # noqa: BLE001 - reported to whoever reads the answer
             self.errors[run.index] = exc
+            if not first.is_set():
+                self.early[run.index] = exc
             self.queue.put_nowait((run, "error", exc))
             return
         finally:
@@ -51,32 +55,43 @@ class Generation:
                 await it.aclose()
         self.queue.put_nowait((run, "end", run.finish()))
 
-    def _launch(self) -> None:
-        for run in self.runs:
-            ev = asyncio.Event()
-            self._first.append(ev)
-            self._tasks.append(asyncio.ensure_future(self._pump(run, ev)))
+    def _launch(self, runs: List[ChoiceRun]) -> None:
+        for run in runs:
+            self._tasks.append(asyncio.ensure_future(self._pump(run, self._event())))
 
-    def _raise_first_error(self) -> None:
-        if self.errors:
-            raise self.errors[min(self.errors)]
+    def _event(self) -> asyncio.Event:
+        self._first.append(asyncio.Event())
+        return self._first[-1]
+
+    @staticmethod
+    def _raise_first(errors: Dict[int, BaseException]) -> None:
+        if errors:
+            raise errors[min(errors)]
 
     async def start(self) -> None:
-        """Every choice under way, with its first item (or its end); the first error raised (all closed)."""
-        self._launch()
+        """Every choice under way, with its first item (or its end); an error before one of them raised (all
+        closed). Errors after a first item come through ``events``."""
+        self._launch(self.runs)
         try:
             await unless_disconnected(self.request, asyncio.gather(*(ev.wait() for ev in self._first)))
-            self._raise_first_error()
+            self._raise_first(self.early)
         except BaseException:
             await self.close()
             raise
 
+    async def _all(self) -> None:
+        """The first choice read in this task (a lone request's engine errors surface at once, as they did
+        before there were several), the others by tasks of their own."""
+        first = self._event()
+        self._launch(self.runs[1:])
+        await self._pump(self.runs[0], first)
+        await asyncio.gather(*self._tasks)
+
     async def whole(self) -> None:
         """Every choice to its end; the first error raised."""
-        self._launch()
         try:
-            await unless_disconnected(self.request, asyncio.gather(*self._tasks))
-            self._raise_first_error()
+            await unless_disconnected(self.request, self._all())
+            self._raise_first(self.errors)
         finally:
             await self.close()
 
