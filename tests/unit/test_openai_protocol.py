@@ -269,3 +269,15 @@ def test_responses_event_sequence_text_then_a_call():
     assert [o["type"] for o in done["output"]] == ["message", "function_call"]
     assert done["output"][0]["content"][0]["text"] == "Sure." and done["usage"]["total_tokens"] == 13
     assert [e.get("output_index") for e in events[2:-1]] == [0] * 7 + [1] * 4
+
+
+def test_server_settings_and_cli_flag():
+    from computron.server.cli import _parser
+    from computron.server.config import ConfigError, parse_server
+    s = parse_server({"strict_fields": True, "max_n": 4})
+    assert (s.strict_fields, s.max_n) == (True, 4) and parse_server({}).max_n == 16
+    for bad_value in ({"strict_fields": "yes"}, {"max_n": 0}):
+        with pytest.raises(ConfigError, match=f"server.{next(iter(bad_value))}"):
+            parse_server(bad_value)
+    assert _parser().parse_args(["serve", "x", "--strict-fields"]).strict_fields is True
+    assert _parser().parse_args(["serve", "x"]).strict_fields is None  # the config file's value stands
