@@ -29,7 +29,7 @@ def tool_parser_name(state: ServerState, served: ServedModel) -> Optional[str]:
         return None
     entry = _entry_of(state, served)
     name = getattr(entry, "tool_call_parser", None)
-    return name or detect(served.text.chat_template) or DEFAULT_PARSER
+    return name or detect(getattr(served.text, "chat_template", None)) or DEFAULT_PARSER
 
 
 def tool_parser(state: ServerState, served: ServedModel) -> ToolCallParser:
@@ -54,6 +54,6 @@ def model_object(state: ServerState, model_id: str, path: str, snap) -> Dict[str
                            "state": where, "root": path, "parent": served.base if served else None}
     if served is not None and served.text is not None:
         out["max_model_len"] = served.max_positions
-        out["chat_template"] = served.text.has_chat_template
+        out["chat_template"] = bool(getattr(served.text, "has_chat_template", False))
         out["tool_call_parser"] = tool_parser_name(state, served)
     return out
