@@ -400,3 +400,17 @@ def test_responses_api_function_calls(engine, client):
     r = client.responses.create(model="s0", input="x", tools=[tool], tool_choice={"type": "function",
                                                                                    "name": "get_weather"})
     assert r.output[0].name == "get_weather" and engine.requests[-1]["grammar"]["type"] == "json_schema"
+
+
+def test_responses_api_errors_name_their_fields(engine, http):
+    body = {"model": "s0", "input": "x", "text": {"format": {"type": "json_schema", "name": "o",
+                                                             "schema": {"type": "object"}}}}
+    engine.error = PayloadError("grammar: cannot compile", "grammar")
+    _error(http.post("/v1/responses", json=body), 400, "text.format")
+    engine.error = None
+    _error(http.post("/v1/responses", json={**body, "previous_response_id": "resp_1"}), 400, "previous_response_id")
+    _error(http.post("/v1/responses", json={"model": "s0", "input": "x", "tools": [{"type": "web_search"}]}), 400,
+           "tools[0]")
+    _error(http.post("/v1/responses", json={"model": "s0", "input": "x", "max_output_tokens": 0}), 400,
+           "max_output_tokens")
+    assert engine.requests[-1]["grammar"] == {"type": "json_schema", "schema": {"type": "object"}, "strict": False}
