@@ -67,8 +67,9 @@ def test_logprobs_equal_hf_log_softmax(client, hf):
     for i, v in enumerate(lp.token_logprobs):
         pos = len(LONG) - 1 + i
         assert abs(v - ref[pos, ids[pos + 1]].item()) < 1e-4
-        top = torch.topk(ref[pos], 5)
-        assert sorted(lp.top_logprobs[i].values(), reverse=True)[:5] == pytest.approx(top.values.tolist(), abs=1e-4)
+        top = torch.topk(ref[pos], 5).values.tolist()  # (two ids may decode to one text: compared as values)
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(top[0], abs=1e-4)
+        assert all(min(abs(v - t) for t in top) < 1e-4 for v in lp.top_logprobs[i].values())
     # echo: the prompt's tokens scored by the prefill, the first one null (lm-eval's loglikelihood request)
     prompt = tok("The engine swaps models")["input_ids"]
     r = client.completions.create(model="m0", prompt=[prompt, prompt[:4]], echo=True, logprobs=1, max_tokens=1,
@@ -150,7 +151,7 @@ def test_fifty_json_schema_answers_all_validate(smol):
     def one(i):
         schema = SCHEMAS[i % len(SCHEMAS)]
         r = smol.chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": f"Describe item {i} as JSON."}], max_tokens=120,
+            model="smol", messages=[{"role": "user", "content": f"Describe item {i} as JSON."}], max_tokens=256,
             temperature=0.8, seed=i, response_format={"type": "json_schema",
                                                       "json_schema": {"name": "s", "schema": schema, "strict": True}})
         return schema, r.choices[0]
