@@ -43,7 +43,8 @@ def test_completion_fields_map_onto_engine_fields():
     data = protocol.engine_request(p, [1, 2], 16, 64)
     assert data == {"input_ids": [1, 2], "max_tokens": 5, "seed": 2, "temperature": 1.0, "presence_penalty": 1.0,
                     "logit_bias": {3: -1.0}, "min_p": 0.2, "min_tokens": 1, "stop_token_ids": [4], "logprobs": 3,
-                    "prompt_logprobs": 3, "grammar": {"type": "json_object"}}  # no-op values are not sent
+                    "prompt_logprobs": 3, "grammar": {"type": "json_object"},
+                    "repetition_penalty": 1.0}  # kept: it overrides a generation config's; other no-ops are not sent
     assert p.stop == list("abcdefg") and p.n == 2
     assert [d["seed"] for d in protocol.choice_requests(data, 3)] == [2, 3, 4]
     assert [d.get("seed") for d in protocol.choice_requests({"max_tokens": 1}, 2)] == [None, None]

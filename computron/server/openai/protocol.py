@@ -153,7 +153,7 @@ def _extras(body: Dict[str, Any], max_tokens: Optional[int]) -> Dict[str, Any]:
         if v:
             out[name] = v
     rp = number(body, "repetition_penalty", 0, float("inf"), lo_open=True, hi_open=True)
-    if rp is not None and rp != 1:
+    if rp is not None:  # 1 too: it overrides a generation_config.json default
         out["repetition_penalty"] = rp
     bias = body.get("logit_bias")
     if bias:
@@ -261,12 +261,12 @@ def engine_request(p: CompletionParams, ids: List[int], default_max: int, max_po
                  if getattr(p, k) is not None})
     if data.get("max_tokens") == 0:
         data["max_tokens"] = 1
+    data.update(p.extras)
     data = dict(fill(data, generation, len(ids), max_positions))
     data.setdefault("temperature", 1.0)  # OpenAI's default: sampling at temperature 1
     if "max_tokens" not in data:
         data["max_tokens"] = default_max if max_positions is None else max(1, min(default_max,
                                                                                    max_positions - len(ids)))
-    data.update(p.extras)
     if p.logprobs is not None:
         data["logprobs"] = p.logprobs
     if p.echo and p.logprobs is not None:
