@@ -1,8 +1,9 @@
 """The HTTP front (FastAPI): many models behind one engine, OpenAI's protocol and KServe v2.
 
-``create_app`` builds the ``ServerState`` and mounts five routers over it:
+``create_app`` builds the ``ServerState`` and mounts its routers over it:
 
     openai/routes.py   POST /v1/completions, /v1/chat/completions, /v1/embeddings; GET /v1/models[/{id}]
+    openai/responses_routes.py, openai/tokenize_routes.py   POST /v1/responses; POST /tokenize, /detokenize
     openai/lora_routes.py  vLLM's POST /v1/load_lora_adapter, /v1/unload_lora_adapter (LoRA adapters)
     v2/routes.py       the Open Inference Protocol for encoder and ViT models (/v2, /v2/models/{name}/...)
     v2/repository.py   Triton's model repository API: POST /v2/repository/index, .../models/{name}/load, unload
@@ -12,7 +13,8 @@ Beside them: ``state.py`` (admission, the API-key dependency), ``registry.py`` (
 changed while serving), ``building.py`` (one model from its config entry, at start-up and later),
 ``repository.py`` (``--model-repository``),
 ``errors.py`` (one table from engine errors to OpenAI's and v2's shapes), ``http.py`` (JSON, SSE,
-disconnects), the request shapes in ``openai/protocol.py`` and ``v2/protocol.py``, ``metrics.py``
+disconnects), the request shapes in ``openai/`` (``protocol.py``, ``chat.py``, ...) and ``v2/protocol.py``,
+``metrics.py``
 (Prometheus), ``residency.py`` and ``model_kind.py`` (the two vocabularies), ``text.py`` (tokenizers,
 detokenizing, stop strings), ``engine/protocol.py`` (what the server uses of the engine), and
 ``config.py`` and ``cli.py`` (``computron serve``). The ``model`` field of a request picks the model;
@@ -41,6 +43,7 @@ from .config import ServerSettings
 from .errors import ERROR_TABLE, APIError, V2Error, bad, to_openai, to_v2
 from .http import error_response
 from .openai import lora_routes
+from .openai import responses_routes, tokenize_routes
 from .openai import routes as openai_routes
 from .state import ServerState, served_models
 from .text import ModelText
@@ -81,8 +84,8 @@ def create_app(engine: EngineClient, texts: Optional[Dict[str, ModelText]] = Non
 
     app = FastAPI(title="computron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.computron = state
-    for router in (openai_routes.router, lora_routes.router, status.router, v2_routes.router,
-                   v2_repository.router):
+    for router in (openai_routes.router, responses_routes.router, tokenize_routes.router, lora_routes.router,
+                   status.router, v2_routes.router, v2_repository.router):
         app.include_router(router)
     _install_error_handlers(app)
     return app

@@ -8,6 +8,8 @@ A config file::
         dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
         max_batch_size: 8        # optional: sequences batched together for this model
         queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)
+        tool_call_parser: hermes # optional: hermes (qwen) | llama3_json (llama3); default: from the chat template
+        strict_fields: false     # optional: this model's requests with unknown fields answer 400
         pinned: false            # optional: never evicted once loaded
         priority: 0              # optional: higher goes first for a slot and is evicted last
       - id: embed                # an encoder (bert, roberta, xlm-roberta) or ViT checkpoint is served over
@@ -31,6 +33,8 @@ A config file::
       model_repository: models/  # optional: each subdirectory with a config.json (or one .gguf) is servable,
                                  # by its name, on its first request (then `models` may be empty)
       repository_poll_s: 10      # optional: rescan it this often (new directories, removed ones unloaded)
+      strict_fields: false       # optional: true answers 400 to unknown request fields (default: ignored, logged)
+      max_n: 16                  # optional: the most choices (n) per prompt
 
 Every error raises ``ConfigError`` naming the field (``models[1].path``) or the path. The ``models``
 entries are checked by ``model_entry.py`` (its names are importable from here too).
@@ -72,6 +76,11 @@ class ServerSettings:
     """A directory whose subdirectories with a ``config.json`` are servable by their names (Triton's model
     repository, Ollama's load on first request): the first request for one waits while it is added, and
     ``/v2/repository/*`` lists, loads and unloads them. With it, ``models`` may be empty."""
+    strict_fields: bool = False
+    """Answer 400 to a request field the server does not know (default: ignore it, logged once per field name,
+    as vLLM, SGLang, Ollama and llama.cpp do). A model's ``strict_fields`` overrides it."""
+    max_n: int = 16
+    """The most choices (``n``) one prompt of a completion request may ask for; above it: 400 naming ``n``."""
     repository_poll_s: Optional[float] = None
     """Rescan ``model_repository`` every this many seconds: new directories become servable, and models
     loaded from a directory that disappeared are unloaded (drained). None: scanned at start-up and by the
@@ -147,6 +156,11 @@ def parse_server(raw: Any) -> ServerSettings:
     _check_type("server.default_max_tokens", s.default_max_tokens, int)
     if s.default_max_tokens < 1:
         raise ConfigError(f"server.default_max_tokens={s.default_max_tokens}: must be >= 1")
+    if not isinstance(s.strict_fields, bool):
+        raise ConfigError(f"server.strict_fields={s.strict_fields!r}: must be true or false")
+    _check_type("server.max_n", s.max_n, int)
+    if s.max_n < 1:
+        raise ConfigError(f"server.max_n={s.max_n}: must be >= 1")
     if s.log_level not in ("critical", "error", "warning", "info", "debug"):
         raise ConfigError(f"server.log_level={s.log_level!r}: must be one of critical, error, warning, info, debug")
     if s.model_repository is not None:

@@ -18,6 +18,9 @@ from ..errors import GGUFError
 from ..loading import DTYPES, has_tokenizer
 from .model_kind import ModelKind
 
+TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "llama3")
+"""The names ``tool_call_parser`` takes (``openai.tool_parsers.PARSERS``)."""
+
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 """A model id: letters, digits and ._:/-, starting with a letter or a digit."""
 
@@ -52,6 +55,12 @@ class ModelEntry:
     adapter: Optional[str] = None
     """A PEFT LoRA adapter directory (``adapter_config.json``, ``adapter_model.safetensors``), served on
     ``base`` instead of a checkpoint of its own (``ModelConfig.adapter``); made absolute by validation."""
+    tool_call_parser: Optional[str] = None
+    """A causal LM's: how its answers' tool calls are read (``hermes``/``qwen``, ``llama3_json``/``llama3``);
+    None: what its chat template shows (``openai.tool_parsers.detect``), else ``hermes``."""
+    strict_fields: Optional[bool] = None
+    """True: this model's requests with a field the server does not know answer 400; False: such fields are
+    ignored (logged once); None: ``server.strict_fields`` decides."""
     kind: Optional[ModelKind] = None
     """Set by validation: GENERATION for a causal LM, else the kind of encoder or ViT model."""
     gguf: Optional[str] = None
@@ -172,6 +181,11 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     if not isinstance(entry.pinned, bool):
         raise ConfigError(f"{where}.pinned={entry.pinned!r}: must be true or false")
     _check_type(f"{where}.priority", entry.priority, int)
+    if entry.tool_call_parser is not None and entry.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"{where}.tool_call_parser={entry.tool_call_parser!r}: must be one of "
+                          f"{', '.join(TOOL_CALL_PARSERS)}")
+    if entry.strict_fields is not None and not isinstance(entry.strict_fields, bool):
+        raise ConfigError(f"{where}.strict_fields={entry.strict_fields!r}: must be true or false")
     return entry
 
 

@@ -35,6 +35,7 @@ from .building import BuiltModel, ServedModel, build_model, generation_of
 from .building import UnderstandingModel
 from .config import ServerSettings
 from .errors import APIError, V2Error
+from .field_policy import FieldPolicy
 from .http import error_response, unless_disconnected
 from .metrics import ServerMetrics
 from .model_kind import ModelKind
@@ -72,6 +73,8 @@ class ServerState:
         self.registry = ModelRegistry(engine, models, build or build_model, repo, settings.request_timeout_s)
         self.settings = settings
         self.metrics = ServerMetrics(engine)
+        self.fields = FieldPolicy(settings.strict_fields)
+        """Unknown request fields: ignored and logged once, or refused (strict)."""
         self.draining = False
         self.started = time.time()
         self._keys = [k.encode() for k in settings.api_keys]

@@ -9,7 +9,7 @@ top and is used for streamed and non-streamed answers alike.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 _REPLACEMENT = "\ufffd"
 
@@ -31,6 +31,7 @@ class ModelText:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.eos_token_id = tokenizer.eos_token_id
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self._token_strs: Dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         if self._backend is not None:
@@ -42,13 +43,33 @@ class ModelText:
             return self._backend.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def chat_ids(self, messages: List[Dict[str, Any]]) -> List[int]:
-        """The prompt ids of a chat: the tokenizer's chat template with the generation prompt."""
+    def token_str(self, token_id: int) -> str:
+        """One token's own text, special tokens included (logprobs' ``token``)."""
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+            if len(self._token_strs) < 1 << 16:
+                self._token_strs[token_id] = s
+        return s
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        t = getattr(self.tokenizer, "chat_template", None)
+        return t if isinstance(t, str) else None
+
+    def chat_ids(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None,
+                 kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
+        """The prompt ids of a chat: the tokenizer's chat template with the generation prompt (unless
+        ``kwargs``, the request's ``chat_template_kwargs``, say otherwise), rendering ``tools`` if given."""
         if not self.has_chat_template:
             raise ChatTemplateError(f"model {self.model_id!r} has no chat template: its tokenizer "
                                     f"({self.path}) defines none; use /v1/completions")
+        kw = dict(kwargs or {})
+        kw.setdefault("add_generation_prompt", True)
+        if tools:
+            kw["tools"] = tools
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kw)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise ChatTemplateError(f"model {self.model_id!r}: the chat template failed on these messages: "
                                     f"{type(exc).__name__}: {exc}") from None
@@ -127,6 +148,11 @@ class TextStream:
             return ""
         self.n_tokens += 1
         return self._take(self._detok.add(token_id), final=False)
+
+    def count(self) -> None:
+        """A token that ends the answer without adding to its text (a ``stop_token_ids`` id)."""
+        if not self.stopped:
+            self.n_tokens += 1
 
     def finish(self) -> str:
         if self.stopped:

@@ -1,72 +1,45 @@
-"""OpenAI's request and answer shapes: parsing and building, no I/O.
+"""A completion or chat completion request, checked, and the engine requests it becomes. No I/O.
 
 - ``parse_completion`` / ``parse_chat``: a ``/v1/completions`` or ``/v1/chat/completions`` body as
-  ``CompletionParams`` (every field checked, 400 naming it); ``prompt_ids`` turns its prompt or
-  messages into token ids once the model's tokenizer is known; ``engine_request`` is what the engine
-  is sent: the fields the request sets, then the model's generation_config.json defaults, then OpenAI's.
-- ``Answer``: the completion, chunk and usage objects of one answer.
-- ``parse_embeddings`` / ``embedding_data``: ``/v1/embeddings`` for embedding models.
+  ``CompletionParams`` (every known field checked, 400 naming it; unknown fields listed in ``unknown``
+  for the route's ``FieldPolicy``). Chat's own fields (messages, tools, tool_choice) are ``chat.py``'s.
+- ``prompts``: the prompt(s) of a completions request, each a string or token ids (a batch of prompts is
+  a list of them); ``prompt_ids`` tokenizes one.
+- ``engine_request``: what the engine is sent for one choice: the fields the request sets, then the
+  model's generation_config.json defaults, then OpenAI's; ``choice_requests`` makes the ``n`` of a prompt
+  (seed ``s + i`` for choice ``i``).
 
-Fields are accepted with their effect (``_COMMON`` and the endpoint's own), or only at their OpenAI
-default, without effect (``_DEFAULT_ONLY``); anything else answers 400 naming the field.
+The engine's fields (``CONTRACT``: presence/frequency/repetition penalties, ``logit_bias``, ``min_p``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``logprobs``, ``prompt_logprobs``, ``grammar``) are sent
+only when the request sets them, so a plain request is what it always was.
 """
 from __future__ import annotations
 
-import base64
-import struct
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 from ...batching.generation import GenerationDefaults, fill
 from ..errors import bad
+from .fields import body_object, boolean, integer, is_int, model_field, number, obj, token_ids
 
 if TYPE_CHECKING:
     from ..text import ModelText
-    from ..building import UnderstandingModel
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "user", "n"}
-_COMPLETION_FIELDS = _COMMON | {"prompt"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
-_DEFAULT_ONLY = {
-    "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "logit_bias": (None, {}), "best_of": (1,), "suffix": (None,), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
-    "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None, {}),
-}
-_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
+MAX_LOGPROBS = 20
+"""The most alternatives a token's logprobs may list (``logprobs``, ``top_logprobs``)."""
 
-_MISSING = object()
+_QUIET = {"user", "metadata", "service_tier", "store", "prompt_cache_key", "safety_identifier"}
+"""Fields that mean nothing here: accepted and ignored without a log line."""
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+           "ignore_eos", "stop_token_ids", "logprobs", "response_format"} | _QUIET
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls", "chat_template_kwargs"}
+_ENGINE_EXTRAS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
+                  "min_tokens", "ignore_eos", "stop_token_ids")
 
-
-def _number(body, name, lo, hi, lo_open=False):
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v > hi or v < lo or (lo_open and v == lo):
-        raise bad(name, f"{name}={v!r}: must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
-    return float(v)
-
-
-def _int(body, name, lo):
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise bad(name, f"{name}={v!r}: must be an integer >= {lo}")
-    return v
-
-
-def model_field(body: Any) -> str:
-    """The ``model`` of a request body, which must be a JSON object."""
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "model: a model id (string) is required")
-    return model
+Prompt = Union[str, List[int]]
 
 
 @dataclass
@@ -75,6 +48,7 @@ class CompletionParams:
     model: str
     chat: bool
     max_tokens: Optional[int]
+    """None: unset (the model's generation_config.json default, else the route's)."""
     temperature: Optional[float]
     """None: unset (the model's generation_config.json default, else OpenAI's 1)."""
     top_p: Optional[float]
@@ -83,56 +57,67 @@ class CompletionParams:
     stop: List[str]
     stream: bool
     include_usage: bool
-    prompt: Any = field(default=_MISSING, repr=False)
-    """The raw ``prompt`` (completions) or ``messages`` (chat), checked by ``prompt_ids``."""
+    n: int = 1
+    echo: bool = False
+    logprobs: Optional[int] = None
+    """Alternatives per generated token (completions' ``logprobs``, chat's ``top_logprobs``); None: none."""
+    extras: Dict[str, Any] = field(default_factory=dict)
+    """The engine's sampling controls the request sets (penalties, bias, min_p, min_tokens, ...)."""
+    grammar: Optional[Dict[str, Any]] = None
+    """The engine's ``grammar`` (from ``response_format``; chat's forced tool calls set their own)."""
+    prompt: Any = field(default=None, repr=False)
+    """The raw ``prompt`` (completions) or ``messages`` (chat)."""
+    unknown: List[str] = field(default_factory=list)
+    """The body's fields this route does not know (ignored, or refused in strict mode)."""
+
+    @property
+    def stop_token_ids(self) -> List[int]:
+        return list(self.extras.get("stop_token_ids") or [])
 
 
-def parse_completion(body: Any) -> CompletionParams:
-    return _parse(body, chat=False)
+def parse_completion(body: Any, max_n: int = 16) -> CompletionParams:
+    return _parse(body, chat=False, max_n=max_n)
 
 
-def parse_chat(body: Any) -> CompletionParams:
-    return _parse(body, chat=True)
+def parse_chat(body: Any, max_n: int = 16) -> CompletionParams:
+    return _parse(body, chat=True, max_n=max_n)
 
 
-def _parse(body: Any, chat: bool) -> CompletionParams:
-    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    for k, v in body.items():
-        if k in allowed:
-            continue
-        if k in _DEFAULT_ONLY:
-            if v in _DEFAULT_ONLY[k]:
-                continue
-            raise bad(k, f"{k}={v!r} is not supported by this server")
-        raise bad(k, f"unsupported field {k!r}")
+def _parse(body: Any, chat: bool, max_n: int) -> CompletionParams:
+    body = body_object(body)
     model = model_field(body)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("n", f"n={n!r}: only n=1 is supported")
-    max_tokens = _int(body, "max_tokens", 1)
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    n = integer(body, "n", 1)
+    n = 1 if n is None else n
+    if n > max_n:
+        raise bad("n", f"n={n}: above this server's maximum of {max_n} choices per prompt (server.max_n)")
+    echo = False if chat else boolean(body, "echo")
+    max_tokens = integer(body, "max_tokens", 0 if echo else 1)
     if max_tokens is None and chat:
-        max_tokens = _int(body, "max_completion_tokens", 1)
-    temperature = _number(body, "temperature", 0, 2)
-    top_p, top_k = _number(body, "top_p", 0, 1, lo_open=True), _int(body, "top_k", 0)
+        max_tokens = integer(body, "max_completion_tokens", 1)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("seed", f"seed={seed!r}: must be an integer")
-    stop = _stop(body.get("stop"))
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad("stream", f"stream={stream!r}: must be true or false")
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise bad("stream_options", "stream_options: must be an object")
-    return CompletionParams(
-        model=model, chat=chat, max_tokens=max_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, stream=stream,
-        include_usage=bool((so or {}).get("include_usage", False)),
-        prompt=body.get("messages" if chat else "prompt", _MISSING))
+    if seed is not None and (not is_int(seed) or seed < 0 or seed + n > 2 ** 63):
+        raise bad("seed", f"seed={seed!r}: must be an integer in [0, 2**63)")
+    stream = boolean(body, "stream")
+    so = obj(body, "stream_options") or {}
+    if not chat:
+        _defaults_only(body, n)
+    p = CompletionParams(
+        model=model, chat=chat, max_tokens=max_tokens, temperature=number(body, "temperature", 0, 2),
+        top_p=number(body, "top_p", 0, 1, lo_open=True), top_k=integer(body, "top_k", 0), seed=seed,
+        stop=_stop(body.get("stop")), stream=stream, include_usage=boolean(so, "include_usage"), n=n, echo=echo,
+        logprobs=_logprobs(body, chat), extras=_extras(body, max_tokens), grammar=response_format(body),
+        prompt=body.get("messages" if chat else "prompt"), unknown=unknown)
+    return p
+
+
+def _defaults_only(body: Dict[str, Any], n: int) -> None:
+    """Completions' fields accepted only at values with no effect here."""
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix", "suffix: not supported (no insertion mode)")
+    best_of = integer(body, "best_of", 1)
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"best_of={best_of}: only best_of equal to n ({n}) is supported")
 
 
 def _stop(stop: Any) -> List[str]:
@@ -140,157 +125,167 @@ def _stop(stop: Any) -> List[str]:
         return []
     if isinstance(stop, str):
         return [stop] if stop else []
-    if isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return [s for s in stop if s]
-    raise bad("stop", "stop: must be a string or a list of at most 4 strings")
+    raise bad("stop", "stop: must be a string or a list of strings")
 
 
-def prompt_ids(text: ModelText, p: CompletionParams) -> List[int]:
-    """The prompt's token ids: the chat template applied to the messages, or the prompt tokenized."""
-    if p.chat:
-        return text.chat_ids(_messages(None if p.prompt is _MISSING else p.prompt))
-    prompt = p.prompt
-    if prompt is _MISSING:
-        raise bad("prompt", "prompt: required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return text.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise bad("prompt", "prompt: one prompt per request (a batch of prompts is not supported)")
-    raise bad("prompt", "prompt: must be a non-empty string or a list of token ids")
+def _logprobs(body: Dict[str, Any], chat: bool) -> Optional[int]:
+    """Alternatives per token: completions' ``logprobs: k``; chat's ``logprobs: true`` with ``top_logprobs``."""
+    lp = body.get("logprobs")
+    if not chat:
+        if lp is None or lp is False:
+            return None
+        return integer(body, "logprobs", 0, MAX_LOGPROBS)
+    on = boolean(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if not on:
+            raise bad("top_logprobs", "top_logprobs: needs logprobs: true")
+    return (top or 0) if on else None
 
 
-def _messages(messages: Any) -> List[Dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "messages: must be a non-empty list of {role, content}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}]", f"messages[{i}]: must be an object with a string role")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"messages[{i}].content: must be a string")
-        out.append({"role": m["role"], "content": content})
+def _extras(body: Dict[str, Any], max_tokens: Optional[int]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = number(body, name, -2, 2)
+        if v:
+            out[name] = v
+    rp = number(body, "repetition_penalty", 0, float("inf"), lo_open=True, hi_open=True)
+    if rp is not None:  # 1 too: it overrides a generation_config.json default
+        out["repetition_penalty"] = rp
+    bias = body.get("logit_bias")
+    if bias:
+        out["logit_bias"] = _logit_bias(bias)
+    min_p = number(body, "min_p", 0, 1)
+    if min_p:
+        out["min_p"] = min_p
+    min_tokens = integer(body, "min_tokens", 0)
+    if min_tokens:
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise bad("min_tokens", f"min_tokens={min_tokens}: above max_tokens={max_tokens}")
+        out["min_tokens"] = min_tokens
+    if boolean(body, "ignore_eos"):
+        out["ignore_eos"] = True
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(is_int(t) and t >= 0 for t in stop_ids):
+            raise bad("stop_token_ids", "stop_token_ids: must be a list of token ids (integers >= 0)")
+        if stop_ids:
+            out["stop_token_ids"] = list(stop_ids)
     return out
+
+
+def _logit_bias(bias: Any) -> Dict[int, float]:
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", "logit_bias: must be an object mapping token ids to numbers in [-100, 100]")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            tok = -1
+        if tok < 0 or (isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100):
+            raise bad("logit_bias", f"logit_bias[{k!r}]={v!r}: keys must be token ids, values numbers in [-100, 100]")
+        out[tok] = float(v)
+    return out
+
+
+def response_format(body: Dict[str, Any], name: str = "response_format") -> Optional[Dict[str, Any]]:
+    """The engine's ``grammar`` of a ``response_format`` (``text``: None), 400 naming it when malformed."""
+    rf = body.get(name)
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if isinstance(js, dict) and "schema" not in js and "name" not in js:
+            js = None
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad(name, f"{name}: json_schema needs an object json_schema.schema (the JSON schema)")
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad(name, f"{name}: json_schema.strict must be true or false")
+        return {"type": "json_schema", "schema": schema, "strict": bool(strict)}
+    raise bad(name, f"{name}: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+
+def prompts(p: CompletionParams) -> List[Prompt]:
+    """The prompts of a completions request: one string, one list of token ids, or a batch of either."""
+    prompt = p.prompt
+    if prompt is None:
+        raise bad("prompt", "prompt: required")
+    if isinstance(prompt, str) or token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str) or token_ids(x) for x in prompt):
+        return list(prompt)
+    raise bad("prompt", "prompt: must be a string, a list of token ids, or a non-empty list of either")
+
+
+def prompt_ids(text: ModelText, prompt: Prompt) -> List[int]:
+    """A prompt's token ids (a string tokenized with the model's special tokens)."""
+    return text.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def engine_field_names(body: Any, chat: bool) -> Dict[str, str]:
     """The request's names of the engine's fields (``input_ids`` is the prompt or the messages), for the
     ``param`` of an error the engine raised."""
-    names = {"input_ids": "messages" if chat else "prompt"}
+    names = {"input_ids": "messages" if chat else "prompt", "grammar": "response_format",
+             "prompt_logprobs": "logprobs"}
+    if chat:
+        names["logprobs"] = "top_logprobs"
     if chat and isinstance(body, dict) and body.get("max_tokens") is None and "max_completion_tokens" in body:
         names["max_tokens"] = "max_completion_tokens"
+    if chat and isinstance(body, dict) and body.get("tool_choice") not in (None, "auto", "none") \
+            and body.get("response_format") is None:
+        names["grammar"] = "tool_choice"
     return names
 
 
 def engine_request(p: CompletionParams, ids: List[int], default_max: int, max_positions: Optional[int],
                    generation: Optional[GenerationDefaults] = None) -> Dict[str, Any]:
-    """The engine's generation request: the fields the request sets; those it leaves unset from the model's
-    ``generation`` defaults (its generation_config.json), else OpenAI's (``temperature`` 1; ``max_tokens``
-    ``default_max``); a default ``max_tokens`` is capped by the positions the prompt leaves."""
+    """The engine's generation request for one choice: the fields the request sets; those it leaves unset from
+    the model's ``generation`` defaults (its generation_config.json), else OpenAI's (``temperature`` 1;
+    ``max_tokens`` ``default_max``); a default ``max_tokens`` is capped by the positions the prompt leaves.
+    ``max_tokens: 0`` (echo only: the prompt scored) asks the engine for one token, which is not answered."""
     data: Dict[str, Any] = {"input_ids": ids}
     data.update({k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
                  if getattr(p, k) is not None})
+    if data.get("max_tokens") == 0:
+        data["max_tokens"] = 1
+    data.update(p.extras)
     data = dict(fill(data, generation, len(ids), max_positions))
     data.setdefault("temperature", 1.0)  # OpenAI's default: sampling at temperature 1
     if "max_tokens" not in data:
         data["max_tokens"] = default_max if max_positions is None else max(1, min(default_max,
                                                                                    max_positions - len(ids)))
+    if p.logprobs is not None:
+        data["logprobs"] = p.logprobs
+    if p.echo and p.logprobs is not None:
+        data["prompt_logprobs"] = p.logprobs
+    if p.grammar is not None:
+        data["grammar"] = p.grammar
     return data
+
+
+def choice_requests(data: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
+    """The ``n`` engine requests of one prompt: the same request, seed ``s + i`` for choice ``i``."""
+    out = []
+    for i in range(n):
+        d = dict(data)
+        if i and d.get("seed") is not None:
+            d["seed"] = d["seed"] + i
+        out.append(d)
+    return out
 
 
 def usage(n_prompt: int, n_generated: int) -> Dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated}
-
-
-class Answer:
-    """The OpenAI objects of one answer (one id and creation time): whole, as stream chunks, usage."""
-
-    def __init__(self, p: CompletionParams):
-        self.chat, self.model = p.chat, p.model
-        self.id = ("chatcmpl-" if p.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> Dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, reason: str, counts: Dict[str, int]) -> Dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": counts}
-
-    def _chunk_head(self) -> Dict[str, Any]:
-        return self._head("chat.completion.chunk" if self.chat else "text_completion")
-
-    def chunk(self, piece: Optional[str], reason: Optional[str] = None, role: bool = False) -> Dict[str, Any]:
-        """A stream chunk: a piece of text, the finish reason, or (chat) the assistant's role first."""
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
-        return {**self._chunk_head(), "choices": [choice]}
-
-    def usage_chunk(self, counts: Dict[str, int]) -> Dict[str, Any]:
-        return {**self._chunk_head(), "choices": [], "usage": counts}
-
-
-# ---- /v1/embeddings ---------------------------------------------------------------------------------
-
-def parse_embeddings(model: UnderstandingModel, body: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], str]:
-    """OpenAI's embeddings request as (engine requests, encoding format); 400 naming the field at fault.
-    The engine checks and tokenizes each row (``PayloadError`` naming its row)."""
-    for k in body:
-        if k not in _EMBEDDING_FIELDS:
-            raise bad(k, f"unsupported field {k!r}")
-    dims = body.get("dimensions")
-    if dims is not None and dims != model.hidden_size:
-        raise bad("dimensions", f"dimensions={dims!r}: model {model.id!r} answers {model.hidden_size} "
-                                "dimensions only")
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise bad("encoding_format", f"encoding_format={fmt!r}: must be 'float' or 'base64'")
-    inp = body.get("input")
-
-    def is_ids(x):
-        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-    if isinstance(inp, str) or is_ids(inp):
-        items = [inp]
-    elif isinstance(inp, list) and inp and all(isinstance(x, str) or is_ids(x) for x in inp):
-        items = inp
-    else:
-        raise bad("input", "input: must be a non-empty string, a list of strings, a list of token ids "
-                           "or a list of lists of token ids")
-    rows = []
-    for i, x in enumerate(items):
-        if isinstance(x, str):
-            if not x:
-                raise bad("input", f"input[{i}]: an empty string")
-            rows.append({"text": x})
-        else:
-            rows.append({"input_ids": list(x)})
-    return rows, fmt
-
-
-def embedding_data(vectors: List[List[float]], fmt: str) -> List[Dict[str, Any]]:
-    out = []
-    for i, v in enumerate(vectors):
-        emb: Any = v
-        if fmt == "base64":  # little-endian float32, as OpenAI sends them
-            emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
-        out.append({"object": "embedding", "index": i, "embedding": emb})
-    return out
