@@ -4,14 +4,13 @@ Spawn mode: the calling process becomes the master, one extra rank after the ``t
 it starts from multiprocessing's fork server (``worker_start.worker_context``). Each worker reports
 ready or its start-up traceback over a pipe; the master waits on those pipes and on the processes'
 sentinels together, so a worker that dies during start-up fails the launch at once. Workers die with
-the master (a watcher thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
+the master (a watcher thread on the parent's sentinel, PR_SET_PDEATHSIG, ``worker.master_watch``).
 
 Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``): global rank 0 hosts the master
 next to worker 0 and returns the engine; the other ranks serve until shutdown and return None.
 
-Each process's own set-up (logging, threads, device) is in ``process_setup.py``; where the
-master's replies go before and after the engine exists, in ``reply_router.py``.
-"""
+Each process's own set-up (logging, threads, device, the rendezvous) is in ``process_setup.py``; where the
+master's replies go before and after the engine exists, in ``reply_router.py``."""
 from __future__ import annotations
 
 import atexit
@@ -41,8 +40,8 @@ from ..errors import LaunchError, worker_exit_reason
 from ..worker.worker import Worker
 from .prefetch import prefetch_startup
 from .process_setup import (adopt_environment, device_for, die_with_parent, destroy_group_in_background,
-                            host_rendezvous, join_rendezvous, rendezvous_error, setup_logging,
-                            threads_per_worker)
+                            host_rendezvous, join_rendezvous, keepalive_interval, rendezvous_error,
+                            setup_logging, threads_per_worker)
 from .reply_router import ReplyRouter
 from .worker_start import in_fork_server, start_server, worker_context
 
@@ -81,11 +80,6 @@ launch_computron = LaunchEngine
 
 
 # ---- spawn mode ---------------------------------------------------------------
-
-def keepalive_interval(config: EngineConfig) -> float:
-    """How often an idle master tells its workers it is still there (their heartbeat interval)."""
-    return min(config.heartbeat_timeout_s / 4, 1.0)
-
 
 def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
                  model_configs: List[ModelConfig], addr: str, port: int, status, parent_thread_lasts: bool,
@@ -275,8 +269,8 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
 def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=None) -> List[msg.WorkerReady]:
     """Wait for every worker's ready message; raise LaunchError on the first failure or death.
 
-    A worker that dies closes its end of the status pipe, which wakes the wait
-    with EOF; ``wake`` fires when the master's own rendezvous ends.
+    A worker that dies closes its end of the status pipe, which wakes the wait with EOF; ``wake`` fires when
+    the master's own rendezvous ends.
     """
     deadline = time.monotonic() + timeout
     pending = dict(zip(status, workers.procs))

@@ -48,6 +48,11 @@ def rendezvous_error(who: str, host: str, port: int, timeout_s: float, exc: Base
                         "resolve to addresses the others can reach (see GLOO_SOCKET_IFNAME)?")
 
 
+def keepalive_interval(config: EngineConfig) -> float:
+    """How often an idle master tells its workers it is still there (their own heartbeat interval)."""
+    return min(config.heartbeat_timeout_s / 4, 1.0)
+
+
 def destroy_group_in_background(wait_s: float) -> None:
     """A thread may still sit in a receive from a dead peer: don't let that block the caller for long
     (usually the group is gone by then, so a later LaunchEngine in this process can start its own)."""

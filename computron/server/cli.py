@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--drain", "--shutdown-grace", type=float, dest="drain_s",
                    help="seconds in-flight requests get on SIGTERM (default 30)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--engine-restarts", type=int, dest="engine_restarts", metavar="N",
+                   help="restart a dead engine at most N times within 10 minutes (default 3; 0: never)")
     s.add_argument("--ray", action="store_true",
                    help="serve with several engine groups on Ray (pip install -e .[ray]); same HTTP API")
     s.add_argument("--groups", type=int, default=1,
@@ -115,7 +117,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
                 engine[key] = getattr(args, flag)
     if isinstance(server, dict):
         for key in ("host", "port", "api_keys", "request_timeout_s", "drain_s", "log_level", "model_repository",
-                    "repository_poll_s"):
+                    "repository_poll_s", "engine_restarts"):
             if getattr(args, key) is not None:
                 server[key] = getattr(args, key)
     return from_mapping(raw)
