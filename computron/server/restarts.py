@@ -159,7 +159,7 @@ class RestartingEngine:
                         n += 1
                         if n <= len(sent):  # a replay: what the dead engine gave is checked, not yielded again
                             if tok != sent[n - 1]:
-                                differed = True
+                                differed, n = True, n - 1
                                 break
                             continue
                         sent.append(tok)
@@ -168,7 +168,7 @@ class RestartingEngine:
                 if not differed:
                     return
                 raise EngineDeadError(f"the engine restarted while streaming model {model_id!r} ({len(sent)} "
-                                      f"tokens sent); its replay differed at token {min(n, len(sent)) + 1}: the "
+                                      f"tokens sent); its replay differed at token {n + 1}: the "
                                       "stream ends here")
             except EngineDeadError as exc:
                 if differed or attempt or (sent and not replayable(data)):
