@@ -155,3 +155,33 @@ def test_workers_exit_by_themselves_when_their_master_is_gone(checkpoints, tmp_p
         for f in logs:
             f.close()
     assert left == []
+
+
+class _Beats:
+    remote = False
+
+    def __init__(self):
+        self.sent = []
+
+    def reply(self, m):
+        self.sent.append(m)
+
+
+def test_heartbeats_go_on_while_one_long_torch_op_holds_the_command_loop():
+    # torch releases the GIL inside its kernels: the heartbeat thread sends while one matmul runs
+    import torch
+
+    from computron.worker.worker import Worker
+    channel = _Beats()
+    worker = Worker(0, None, channel, [], EngineConfig(), torch.device("cpu"))
+    a = torch.randn(3000, 3000)
+    worker.start_heartbeat(0.01)
+    try:
+        t0 = time.time()
+        a @ a  # one call into torch, several hundred milliseconds at least on these machines
+        t1 = time.time()
+    finally:
+        worker._stop_heartbeat.set()
+        worker._heartbeat.join(10)
+    during = [b for b in channel.sent if t0 < b.sent < t1]
+    assert during, f"no heartbeat during a {t1 - t0:.2f}s matmul"
