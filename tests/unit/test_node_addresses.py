@@ -42,3 +42,15 @@ def test_preflight_refuses_several_nodes_on_a_loopback_host_name(monkeypatch):
         preflight.check(EngineConfig(), [], 2, 2, attach=True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     preflight.check(EngineConfig(), [], 2, 2, attach=True)
+
+
+def test_a_rendezvous_nobody_answers_fails_naming_the_address_it_waited_for():
+    import socket
+
+    from computron.runtime.process_setup import join_rendezvous
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match=rf"^rank 1 could not join the process group of the rendezvous at "
+                                           rf"127\.0\.0\.1:{port} within 1s \(EngineConfig\.rendezvous_timeout_s\)"):
+        join_rendezvous("127.0.0.1", port, 1, 2, timeout_s=1.0)
