@@ -67,6 +67,14 @@ class EngineConfig:
     ``Engine.counters()`` keeps running totals that never expire."""
     heartbeat_timeout_s: float = 10.0
     """A worker whose heartbeats stop for this long (hung, stopped, its host gone) kills the engine."""
+    heartbeat_late_limit_s: float = 300.0
+    """A worker silent past heartbeat_timeout_s whose process this host sees running or waiting for a CPU (a
+    busy machine starves it) is late, not dead: logged, counted (``late_heartbeats``) and given up to this
+    long in all. A stopped, exited or sleeping one, or one on another host, is dead at heartbeat_timeout_s."""
+    master_timeout_s: float = 60.0
+    """A worker that hears nothing from its master (the master sends a keepalive every heartbeat interval
+    while it has no command) for this long while waiting for a command, or whose connection to it breaks,
+    exits saying why: its master is gone (killed, its host down or cut off)."""
     command_timeout_s: float = 600.0
     """A command that runs longer than this on a rank (a forward stuck forever) kills the engine. A rank
     still silent heartbeat_timeout_s after another rank reported the same command failed does too."""
@@ -107,6 +115,10 @@ class EngineConfig:
     read on demand (disk tier). None: every shard stays in host memory."""
     start_timeout_s: float = 300.0
     """How long LaunchEngine waits for every worker to build its models and report ready."""
+    rendezvous_timeout_s: float = 120.0
+    """How long a rank waits for the others to join the process group at start-up (the rendezvous at
+    master_host:master_port, then gloo's connections between the ranks): every node must be started within
+    this long of the first; a rank that cannot reach another fails naming the address it waited for."""
     death_timeout_s: float = 600.0
     """Timeout of the data plane's collectives (TP, PP) and of the rendezvous: how long a rank waits
     for a silent peer before it fails. The control plane itself waits indefinitely between requests."""
@@ -150,7 +162,7 @@ class EngineConfig:
                 or self.max_step_tokens < 1:
             _fail(c, "max_step_tokens", self.max_step_tokens, "must be an int >= 1")
         for name in ("start_timeout_s", "death_timeout_s", "heartbeat_timeout_s", "command_timeout_s",
-                     "shutdown_grace_s"):
+                     "shutdown_grace_s", "heartbeat_late_limit_s", "master_timeout_s", "rendezvous_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 _fail(c, name, v, "must be a positive number of seconds")

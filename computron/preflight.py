@@ -23,7 +23,10 @@ instead of later as a worker's traceback:
 - a fixed ``master_port`` already in use (spawn mode, the node that hosts the rendezvous);
   ``reserve_port`` does the same for a server's HTTP port (``computron serve``), and holds it;
 - a ``model_fn``, keyword argument, ``tp_plan`` or batch manager that cannot be
-  pickled (spawn mode sends them to the workers).
+  pickled (spawn mode sends them to the workers);
+- several nodes, and this host's name resolving to a loopback address (Debian's ``127.0.1.1 <hostname>``)
+  with neither ``GLOO_SOCKET_IFNAME`` nor ``NCCL_SOCKET_IFNAME`` set (``loopback_host_problem``): gloo
+  would tell the other nodes an address they cannot reach, and the rendezvous would wait in vain.
 
 Nothing here builds a model or touches the network: it reads ``config.json``
 files and binds one socket (and converts a ``.gguf`` file not converted before).
@@ -36,7 +39,7 @@ import logging
 import os
 import pickle
 import socket
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from .config import EngineConfig, ModelConfig
 from .errors import GGUFError, LaunchError
@@ -63,6 +66,12 @@ def check(config: EngineConfig, model_configs: Iterable[ModelConfig], tp: int, p
         attach = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     _warn_if_in_event_loop()
     _check_device(config, tp * pp, n_nodes, attach)
+    nodes = _attach_nodes(os.environ) if attach else n_nodes
+    if nodes > 1:
+        host = socket.gethostname()
+        problem = loopback_host_problem(nodes, host, _resolve(host), os.environ)
+        if problem:
+            raise PreflightError(problem)
     for mc in model_configs:
         _check_model(mc, tp, pp)
     if not attach:
@@ -70,6 +79,42 @@ def check(config: EngineConfig, model_configs: Iterable[ModelConfig], tp: int, p
             _check_port(config.master_host, config.master_port)
         for mc in model_configs:
             _check_picklable(mc)
+
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_host_problem(n_nodes: int, hostname: str, addresses: Sequence[str],
+                          env: Mapping[str, str]) -> Optional[str]:
+    """Why several nodes cannot connect from this host, or None: its name resolves first (``addresses``, in
+    resolution order: gloo takes the first) to loopback, and no ``*_SOCKET_IFNAME`` names the interface."""
+    if n_nodes <= 1 or not addresses or any(env.get(v) for v in SOCKET_IFNAME_VARS):
+        return None
+    first = addresses[0]
+    if not (first.startswith("127.") or first == "::1"):
+        return None
+    return (f"{n_nodes} nodes, but this host's name {hostname!r} resolves to the loopback address {first} (as "
+            "Debian's /etc/hosts line '127.0.1.1 <hostname>' makes it): the other nodes could not connect to "
+            "it and the rendezvous would wait in vain. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME with "
+            "GPUs) to the network interface that reaches the other nodes, e.g. GLOO_SOCKET_IFNAME=eth0, on "
+            "every node, or make the host name resolve to that interface's address")
+
+
+def _resolve(hostname: str) -> List[str]:
+    """The host name's addresses in resolution order (none where it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return list(dict.fromkeys(i[4][0] for i in infos))
+
+
+def _attach_nodes(env: Mapping[str, str]) -> int:
+    """How many nodes a launcher (torchrun, ``colossalai run``) started: its world over this node's part."""
+    try:
+        return max(1, int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        return 1
 
 
 def check_added(mc: ModelConfig, tp: int, pp: int) -> None:

@@ -104,6 +104,7 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "computron", "serve", "--config", self.config_path],
                                      cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.ps = psutil.Process(self.proc.pid)
+        self.workers = []  # known once it is ready (a start-up that times out stops the server without them)
         self._wait_ready(startup_timeout)
         self.workers = self.ps.children(recursive=True)  # workers, multiprocessing's resource tracker and fork server
         self.engine_workers = [p for p in self.workers if not is_multiprocessing_server(p, self.proc.pid)]

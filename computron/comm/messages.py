@@ -173,6 +173,13 @@ class Shutdown:
     seq: int = -1
 
 
+@dataclass(frozen=True)
+class Keepalive:
+    """Broadcast by the master while it has no command to send: workers that hear nothing at all for
+    ``EngineConfig.master_timeout_s`` while waiting for a command know their master is gone."""
+    seq: int = -1
+
+
 # ---- what runners return: ``results`` (imported above, kept importable from here) ---------
 
 

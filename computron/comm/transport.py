@@ -1,10 +1,13 @@
 """The control plane over torch.distributed (gloo, also on GPU clusters).
 
 Commands: the master broadcasts each command to every worker on the ``cmd``
-group, from one sender thread, so all workers see one total order. Replies:
-each worker sends to the master on the ``res`` group; the master's receiver
-thread blocks on a receive from any source. Both sides block on the
-transport; nothing polls.
+group, from one sender thread, so all workers see one total order; while it
+has nothing to send for ``keepalive_s`` it broadcasts a ``Keepalive``, so a
+worker can tell a quiet master from a gone one. Replies: each worker sends to
+the master on the ``res`` group; the master has one receiver thread per
+remote worker, each blocked on a receive from its own rank, so a peer stuck
+halfway through a message (stopped, cut off) holds up nobody else's replies
+or heartbeats. Both sides block on the transport; nothing polls.
 
 Messages travel in fixed-size frames (``FRAME`` bytes: an 8-byte length, then
 the pickled message), so a small message costs one transfer; a larger one
@@ -24,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .messages import Bye, Shutdown
+from .messages import Bye, Keepalive, Shutdown
 from .topology import Groups
 
 
@@ -60,7 +63,7 @@ class MasterChannel:
 
     def __init__(self, groups: Groups, on_reply: Callable[[Any], None],
                  on_transport_error: Callable[[BaseException], None],
-                 on_handler_error: Callable[[BaseException, Any], None]):
+                 on_handler_error: Callable[[BaseException, Any], None], keepalive_s: Optional[float] = None):
         self.groups = groups
         self.layout = groups.layout
         self._on_reply = on_reply
@@ -69,15 +72,19 @@ class MasterChannel:
         self._outbox: "queue.Queue[Any]" = queue.Queue()
         self.local_worker_inbox: Optional["queue.Queue[Any]"] = (
             queue.Queue() if self.layout.master_is_worker else None)
-        self._remote_workers = self.layout.n_workers - (1 if self.layout.master_is_worker else 0)
+        first = 1 if self.layout.master_is_worker else 0
+        self._remote_ranks = list(range(first, self.layout.n_workers))
+        self._remote_workers = len(self._remote_ranks)
+        self._keepalive_s = keepalive_s
         self._closed = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="computron-cmd-send", daemon=True)
-        self._receiver = threading.Thread(target=self._recv_loop, name="computron-reply-recv", daemon=True)
+        self._receivers = [threading.Thread(target=self._recv_loop, args=(r,), name=f"computron-reply-recv-{r}",
+                                            daemon=True) for r in self._remote_ranks]
 
     def start(self) -> None:
         self._sender.start()
-        if self._remote_workers:
-            self._receiver.start()
+        for t in self._receivers:
+            t.start()
 
     def send(self, cmd: Any) -> None:
         self._outbox.put(cmd)
@@ -95,7 +102,12 @@ class MasterChannel:
 
     def _send_loop(self) -> None:
         while True:
-            cmd = self._outbox.get()
+            try:
+                cmd = self._outbox.get(timeout=self._keepalive_s)
+            except queue.Empty:  # nothing to say for keepalive_s: say that we are still here
+                if self._closed.is_set():
+                    return
+                cmd = Keepalive()
             try:
                 if self.local_worker_inbox is not None:
                     self.local_worker_inbox.put(cmd)
@@ -111,12 +123,12 @@ class MasterChannel:
             if isinstance(cmd, Shutdown):
                 return
 
-    def _recv_loop(self) -> None:
+    def _recv_loop(self, src: int) -> None:
+        """Every reply of worker ``src``, until its Bye (or the transport breaks)."""
         frame = torch.zeros(FRAME, dtype=torch.uint8)
-        byes = 0
-        while byes < self._remote_workers:
+        while True:
             try:
-                src = dist.recv(frame, src=None, group=self.groups.res)
+                dist.recv(frame, src=src, group=self.groups.res)
                 rest = None
                 extra = _overflow_size(frame)
                 if extra:
@@ -128,21 +140,21 @@ class MasterChannel:
                     self._on_error(exc)
                 return
             if isinstance(reply, Bye):
-                byes += 1
-                continue
+                return
             self._handle(reply)
 
     def close(self, timeout: float) -> bool:
         """Wait for the queued commands (a Shutdown last) to go out and every worker's Bye.
 
-        Returns True when both threads finished, so the process groups can be destroyed.
+        Returns True when all threads finished, so the process groups can be destroyed.
         """
         deadline = time.monotonic() + timeout
         self._sender.join(timeout)
-        if self._receiver.is_alive():
-            self._receiver.join(max(0.0, deadline - time.monotonic()))
+        for t in self._receivers:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
         self._closed.set()
-        return not self._sender.is_alive() and not self._receiver.is_alive()
+        return not self._sender.is_alive() and not any(t.is_alive() for t in self._receivers)
 
     def abandon(self) -> None:
         """After a worker died: stop reporting transport errors; the threads are daemons."""
@@ -157,6 +169,11 @@ class WorkerChannel:
         self.layout = groups.layout
         self._master = master
         self._lock = threading.Lock()
+
+    @property
+    def remote(self) -> bool:
+        """Whether the master is another process (not the one this worker shares in attach mode)."""
+        return self._master is None
 
     def recv(self) -> Any:
         if self._master is not None:

@@ -89,7 +89,7 @@ class Engine(EngineViews, HostModelsControl):
         self._host_models = HostModels(config.host_budget, self._tracker, self._catalog, self._adapters.base_of,
                                        self._swaps)
         self._catalog.on_id_change = self._host_models.id_changed
-        self._liveness = Liveness(self.n_workers, config.heartbeat_timeout_s, config.command_timeout_s)
+        self._liveness = Liveness.of(config, self.n_workers, self.workers, self._telemetry.counters["late_heartbeats"])
         self._handlers = {CommandKind.LOAD: self._swaps.complete, CommandKind.OFFLOAD: self._swaps.complete,
                           CommandKind.STEP: self._token_level.complete_step,
                           CommandKind.BATCH: self._request_level.complete,
@@ -344,7 +344,7 @@ class Engine(EngineViews, HostModelsControl):
         with self._lock:
             if self._closed.is_set():
                 return False
-            reason = (self._liveness.silent_rank(now)
+            reason = (self._liveness.verdict(now)
                       or self._tracker.half_answered(now, self.config.heartbeat_timeout_s))
             if reason is not None:
                 self._die(reason)

@@ -4,14 +4,13 @@ Spawn mode: the calling process becomes the master, one extra rank after the ``t
 it starts from multiprocessing's fork server (``worker_start.worker_context``). Each worker reports
 ready or its start-up traceback over a pipe; the master waits on those pipes and on the processes'
 sentinels together, so a worker that dies during start-up fails the launch at once. Workers die with
-the master (a watcher thread on the parent's sentinel, and PR_SET_PDEATHSIG where Linux has it).
+the master (a watcher thread on the parent's sentinel, PR_SET_PDEATHSIG, ``worker.master_watch``).
 
 Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``): global rank 0 hosts the master
 next to worker 0 and returns the engine; the other ranks serve until shutdown and return None.
 
-Each process's own set-up (logging, threads, device) is in ``process_setup.py``; where the
-master's replies go before and after the engine exists, in ``reply_router.py``.
-"""
+Each process's own set-up (logging, threads, device, the rendezvous) is in ``process_setup.py``; where the
+master's replies go before and after the engine exists, in ``reply_router.py``."""
 from __future__ import annotations
 
 import atexit
@@ -41,7 +40,8 @@ from ..errors import LaunchError, worker_exit_reason
 from ..worker.worker import Worker
 from .prefetch import prefetch_startup
 from .process_setup import (adopt_environment, device_for, die_with_parent, destroy_group_in_background,
-                            host_rendezvous, join_rendezvous, setup_logging, threads_per_worker)
+                            host_rendezvous, join_rendezvous, keepalive_interval, rendezvous_error,
+                            setup_logging, threads_per_worker)
 from .reply_router import ReplyRouter
 from .worker_start import in_fork_server, start_server, worker_context
 
@@ -83,7 +83,7 @@ launch_computron = LaunchEngine
 
 def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, config: EngineConfig,
                  model_configs: List[ModelConfig], addr: str, port: int, status, parent_thread_lasts: bool,
-                 env: dict) -> None:
+                 env: dict, master_pid: Optional[int]) -> None:
     adopt_environment(env)
     # the master decides when we stop: a signal to the whole process group (Ctrl-C, `kill -TERM -PGID`,
     # a supervisor) reaches the master, which drains and then stops us (SIGKILL if we don't exit)
@@ -94,7 +94,7 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     torch.set_num_threads(threads_per_worker(config, local_world))
     try:
         device = device_for(config, local_rank, local_world)
-        join_rendezvous(addr, port, rank, layout.world_size, config.death_timeout_s)
+        join_rendezvous(addr, port, rank, layout.world_size, config.rendezvous_timeout_s)
         groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
         channel = WorkerChannel(groups)
         worker = Worker(rank, groups, channel, model_configs, config, device)
@@ -105,7 +105,7 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
         os._exit(1)
     status.send(worker.ready_message())
     status.close()
-    worker.serve()
+    worker.serve(master_pid)
     channel.reply(msg.Bye(rank))
     dist.destroy_process_group()
     # nothing is left to do: skip the interpreter's teardown, where a C++ thread of the communication libraries
@@ -183,7 +183,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker_main, name=f"computron-worker-{first + i}", daemon=True,
                         args=(first + i, i, local_world, layout, config, worker_configs, addr, port, send_end,
-                              lasts, dict(os.environ)))
+                              lasts, dict(os.environ), os.getpid() if node_rank == 0 else None))
         p.start()
         send_end.close()
         procs.append(p)
@@ -208,7 +208,9 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
             try:
                 dist.init_process_group("gloo", store=store, rank=layout.master_rank,
                                         world_size=layout.world_size,
-                                        timeout=timedelta(seconds=config.death_timeout_s))
+                                        timeout=timedelta(seconds=config.rendezvous_timeout_s))
+            except Exception as exc:  # noqa: BLE001 - said naming where it waited
+                raise rendezvous_error("the master", addr, port, config.rendezvous_timeout_s, exc) from exc
             finally:
                 sys.excepthook = excepthook
             init["groups"] = Groups(layout, layout.master_rank, config.resolved_backend(),
@@ -226,7 +228,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         if not init_done.wait(config.start_timeout_s):
             raise LaunchError("the master could not join the workers' process group in time")
         if "error" in init:
-            raise LaunchError(f"the master could not join the process group: {init['error']}")
+            raise LaunchError(str(init['error']))
         check_memory(config, ready)
     except BaseException:  # any way out, Ctrl-C too: no worker or process group outlives the launch; re-raised
         workers.stop(grace_s=0)
@@ -235,7 +237,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         raise
 
     router = ReplyRouter(expected_ready=0, exit_cause=lambda: workers.exited(wait_s=5))
-    channel = router.channel(init["groups"])
+    channel = router.channel(init["groups"], keepalive_s=keepalive_interval(config))
 
     def on_close(dead: bool):
         if dead:
@@ -267,8 +269,8 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
 def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=None) -> List[msg.WorkerReady]:
     """Wait for every worker's ready message; raise LaunchError on the first failure or death.
 
-    A worker that dies closes its end of the status pipe, which wakes the wait
-    with EOF; ``wake`` fires when the master's own rendezvous ends.
+    A worker that dies closes its end of the status pipe, which wakes the wait with EOF; ``wake`` fires when
+    the master's own rendezvous ends.
     """
     deadline = time.monotonic() + timeout
     pending = dict(zip(status, workers.procs))
@@ -284,7 +286,7 @@ def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=No
             if obj is wake:
                 wake = None
                 if init is not None and "error" in init:
-                    raise LaunchError(f"the master could not join the process group: {init['error']}")
+                    raise LaunchError(str(init['error']))
                 continue
             proc = pending.pop(obj)
             try:
@@ -328,7 +330,11 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
     torch.set_num_threads(threads_per_worker(config, local_world))
     device = device_for(config, local_rank, local_world)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.death_timeout_s))
+        try:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=config.rendezvous_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - said naming where it waited
+            raise rendezvous_error(f"rank {rank}", os.environ.get("MASTER_ADDR", "?"),
+                                   os.environ.get("MASTER_PORT", "?"), config.rendezvous_timeout_s, exc) from exc
     layout = Layout(tp=tp, pp=pp, master_rank=0, master_is_worker=True)
     groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
     if rank != 0:
@@ -350,7 +356,7 @@ def _attach(config: EngineConfig, configs, tp: int, pp: int) -> Optional[Engine]
         return None
 
     router = ReplyRouter(expected_ready=layout.n_workers - 1)
-    channel = router.channel(groups)
+    channel = router.channel(groups, keepalive_s=keepalive_interval(config))
     channel.start()
     worker = Worker(0, groups, WorkerChannel(groups, master=channel), [mc.for_workers() for mc in configs],
                     config, device)

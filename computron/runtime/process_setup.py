@@ -30,10 +30,27 @@ def host_rendezvous(host: str, port: int, world_size: int, timeout_s: float) -> 
 
 
 def join_rendezvous(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join the default process group through the master's store (``host_rendezvous``)."""
+    """Join the default process group through the master's store (``host_rendezvous``) within ``timeout_s``
+    (``EngineConfig.rendezvous_timeout_s``), else fail naming the address waited for."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - re-raised naming where it waited
+        raise rendezvous_error(f"rank {rank}", host, port, timeout_s, exc) from exc
+
+
+def rendezvous_error(who: str, host: str, port: int, timeout_s: float, exc: BaseException) -> RuntimeError:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return RuntimeError(f"{who} could not join the process group of the rendezvous at {host}:{port} within "
+                        f"{timeout_s:g}s (EngineConfig.rendezvous_timeout_s): {type(exc).__name__}: {first}. "
+                        "Is every node started, can this host reach that address, and do the nodes' host names "
+                        "resolve to addresses the others can reach (see GLOO_SOCKET_IFNAME)?")
+
+
+def keepalive_interval(config: EngineConfig) -> float:
+    """How often an idle master tells its workers it is still there (their own heartbeat interval)."""
+    return min(config.heartbeat_timeout_s / 4, 1.0)
 
 
 def destroy_group_in_background(wait_s: float) -> None:

@@ -37,9 +37,9 @@ class ReplyRouter:
         self._held: list = []
         self._lock = threading.Lock()
 
-    def channel(self, groups: Groups) -> MasterChannel:
+    def channel(self, groups: Groups, keepalive_s: Optional[float] = None) -> MasterChannel:
         return MasterChannel(groups, on_reply=self.route, on_transport_error=self.transport_error,
-                             on_handler_error=self.handler_error)
+                             on_handler_error=self.handler_error, keepalive_s=keepalive_s)
 
     def missing(self) -> int:
         return self.expected_ready - len(self.ready) - len(self.failed)

@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--strict-fields", action="store_true", default=None, dest="strict_fields",
                    help="answer 400 to request fields the server does not know (default: ignore them, logged once)")
+    s.add_argument("--engine-restarts", type=int, dest="engine_restarts", metavar="N",
+                   help="restart a dead engine at most N times within 10 minutes (default 3; 0: never)")
     s.add_argument("--ray", action="store_true",
                    help="serve with several engine groups on Ray (pip install -e .[ray]); same HTTP API")
     s.add_argument("--groups", type=int, default=1,
@@ -117,7 +119,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
                 engine[key] = getattr(args, flag)
     if isinstance(server, dict):
         for key in ("host", "port", "api_keys", "request_timeout_s", "drain_s", "log_level", "model_repository",
-                    "repository_poll_s", "strict_fields"):
+                    "repository_poll_s", "strict_fields", "engine_restarts"):
             if getattr(args, key) is not None:
                 server[key] = getattr(args, key)
     return from_mapping(raw)

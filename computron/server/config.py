@@ -85,6 +85,13 @@ class ServerSettings:
     """Rescan ``model_repository`` every this many seconds: new directories become servable, and models
     loaded from a directory that disappeared are unloaded (drained). None: scanned at start-up and by the
     index and load requests only."""
+    engine_restarts: int = 3
+    """A dead engine (a worker killed, hung or stopped) is restarted at most this many times within
+    ``engine_restart_window_s`` (0: never; the server then stays up with a dead engine, /health 503)."""
+    engine_restart_backoff_s: float = 2.0
+    """Wait before a restart, doubled for every restart already made within the window."""
+    engine_restart_window_s: float = 600.0
+    """The window the restarts are counted in (and the back-off doubles in)."""
 
 
 @dataclass
@@ -153,6 +160,13 @@ def parse_server(raw: Any) -> ServerSettings:
         _check_type(f"server.{key}", v, float)
         if v <= 0:
             raise ConfigError(f"server.{key}={v!r}: must be > 0 seconds")
+    _check_type("server.engine_restarts", s.engine_restarts, int)
+    if s.engine_restarts < 0:
+        raise ConfigError(f"server.engine_restarts={s.engine_restarts}: must be >= 0")
+    for key in ("engine_restart_backoff_s", "engine_restart_window_s"):
+        _check_type(f"server.{key}", getattr(s, key), float)
+        if getattr(s, key) <= 0:
+            raise ConfigError(f"server.{key}={getattr(s, key)!r}: must be > 0 seconds")
     _check_type("server.default_max_tokens", s.default_max_tokens, int)
     if s.default_max_tokens < 1:
         raise ConfigError(f"server.default_max_tokens={s.default_max_tokens}: must be >= 1")

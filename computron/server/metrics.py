@@ -152,6 +152,15 @@ class _EngineCollector:
         for m, v in sorted({**dict.fromkeys(models, 0), **c.get("steps", {})}.items()):
             steps.add_metric([m], v)
         yield steps
+        late = CounterMetricFamily("computron_late_heartbeats", "Times a worker's heartbeats were late while its "
+                                   "process ran or waited for a CPU (a busy machine), by rank", labels=["rank"])
+        for r, v in sorted(c.get("late_heartbeats", {}).items()):
+            late.add_metric([str(r)], v)
+        yield late
+        if "engine_restarts" in c:
+            restarts = CounterMetricFamily("computron_engine_restarts", "Times the server restarted its dead engine")
+            restarts.add_metric([], sum(c["engine_restarts"].values()))
+            yield restarts
         if isinstance(snap, ClusterSnapshot):
             yield from _group_families(snap)
 

@@ -75,6 +75,10 @@ async def serve(cfg: ServeConfig, sock, configs, served) -> int:
     except LaunchError as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
+    if s.engine_restarts:
+        from .restarts import RestartingEngine
+        engine = RestartingEngine(engine, lambda now: LaunchEngine(cfg.engine, now, cfg.tp, cfg.pp), configs,
+                                  s.engine_restarts, s.engine_restart_backoff_s, s.engine_restart_window_s).start()
     return await serve_engine(cfg, sock, engine, served)
 
 

@@ -33,6 +33,7 @@ from ..storage.memory import DevicePool, HostPool
 from ..storage.store import Store
 from .changes import ModelChanges
 from .host_tier import HostTier
+from .master_watch import MasterWatch
 from .shard_builder import BackgroundJobs, ShardBuilder
 
 log = logging.getLogger("computron.worker")
@@ -162,13 +163,35 @@ class Worker(ModelChanges, HostTier):
                              busy_s=now - busy[1] if busy else 0.0)
 
     # ---- the command loop ----------------------------------------------------
-    def serve(self) -> None:
+    def serve(self, master_pid: Optional[int] = None) -> None:
+        """Execute commands until SHUTDOWN. ``master_pid``: the master's process where it runs on this host
+        (the watchdog on the master, ``master_watch``, then tells a busy master from a gone one)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # attach mode runs worker 0 in a thread of its own
-        self.start_heartbeat(min(self.config.heartbeat_timeout_s / 4, 1.0))
+        interval = min(self.config.heartbeat_timeout_s / 4, 1.0)
+        self.start_heartbeat(interval)
+        watch = None
+        if getattr(self.channel, "remote", False):  # not the master's own worker 0 in attach mode
+            watch = MasterWatch(self.rank, self.config.master_timeout_s, self.config.heartbeat_late_limit_s,
+                                interval, master_pid)
+            watch.start()
         while True:
-            cmd = self.channel.recv()
+            if watch is not None:
+                watch.waiting()
+            try:
+                cmd = self.channel.recv()
+            except Exception as exc:  # noqa: BLE001 - the master's end closed: said in one line, then exit
+                if watch is None:
+                    raise
+                watch.broken(exc)
+                raise
+            if watch is not None:
+                watch.heard()
+            if isinstance(cmd, msg.Keepalive):
+                continue
             if isinstance(cmd, msg.Shutdown):
+                if watch is not None:
+                    watch.stop()
                 self._shut_down()
                 return
             self._busy = (cmd.seq, time.perf_counter())

@@ -511,7 +511,7 @@ def test_sigterm_drains_in_flight_streams_and_leaves_no_process(ckpts, tmp_path)
 
 def test_request_timeout_504_then_engine_death_ends_streams(ckpts, tmp_path):
     srv = ServerProcess(str(tmp_path), {"m0": ckpts["m0"], "m1": ckpts["m1"]},
-                        server={"request_timeout_s": 1.5})
+                        server={"request_timeout_s": 1.5, "engine_restarts": 0})  # restarts: test_engine_restart
     try:
         c = httpx.Client(base_url=srv.url, timeout=60)
         slow = {"model": "m0", "prompt": LONG, "max_tokens": 2000, "temperature": 0}

@@ -747,7 +747,7 @@ def test_watchdog_reports_a_silent_rank(monkeypatch):
     engine.on_reply(msg.Heartbeat(rank=0, sent=0.0))
     assert engine._check_liveness(1009.0) is True and engine.is_alive
     assert engine._check_liveness(1011.0) is False
-    assert engine.dead_reason == ("engine is dead: worker rank 1 sent no heartbeat for 11.0s "
+    assert engine.dead_reason == ("engine is dead: worker rank 1 sent no heartbeat for 11.0s (host h) "
                                   "(EngineConfig.heartbeat_timeout_s=10.0); it is hung, stopped or gone")
 
 
