@@ -27,7 +27,9 @@ one waits besides for a slot: (requests over the batch) / batch x (their mean re
 0 when resident, half a load when loading, else ``load_s`` (in host memory) or ``disk_load_s`` (not),
 plus ``MIN_TURN_STEPS`` cycles when every one of its ``max_loaded`` slots holds a model with work (a
 preemption must wait for a turn to end). A figure the group did not report is estimated from the other
-groups' reports for that model, else from the group's other models, else ``DEFAULT_LOAD_S``.
+groups' reports for that model, else from the group's other models, else from the fleet's figures for any
+model (a group that has loaded nothing yet is costed like the others, not at a constant), else
+``DEFAULT_LOAD_S``.
 
 ``expected_wait(group)`` is the time a group needs to drain what it holds: its queued tokens x ``step_s`` /
 ``batch`` (sequences decoded per step).
@@ -209,17 +211,24 @@ class SwapAwareRouter(Router):
 
     # ---- costs ---------------------------------------------------------------
     def _load_estimate(self, g: _Group, m: str, disk: bool) -> float:
-        s = g.state
-        table = s.disk_load_s if disk else s.load_s
-        if m in table:
-            return float(table[m])
-        others = [float(o.state.disk_load_s[m] if disk else o.state.load_s[m]) for o in self._groups.values()
-                  if m in (o.state.disk_load_s if disk else o.state.load_s)]
-        if others:
-            return sum(others) / len(others)
-        if table:
-            return sum(table.values()) / len(table)
-        if disk and s.load_s:  # no disk figure anywhere: not faster than a host load
+        """The group's own figure for ``m``, else the fleet's for ``m``, else the group's own for its other
+        models, else the fleet's for all models (so a group that has measured nothing yet is costed like
+        those that have, not at a constant), else, for a disk load, its host-load estimate; ``DEFAULT_LOAD_S``
+        when no group measured anything."""
+        def table(o: _Group):
+            return o.state.disk_load_s if disk else o.state.load_s
+        own = table(g)
+        if m in own:
+            return float(own[m])
+        same = [float(table(o)[m]) for o in self._groups.values() if m in table(o)]
+        if same:
+            return sum(same) / len(same)
+        if own:
+            return sum(own.values()) / len(own)
+        fleet = [float(v) for o in self._groups.values() for v in table(o).values()]
+        if fleet:
+            return sum(fleet) / len(fleet)
+        if disk:  # no disk figure anywhere: not faster than a host load
             return self._load_estimate(g, m, False)
         return DEFAULT_LOAD_S
 
