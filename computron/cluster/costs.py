@@ -33,12 +33,13 @@ class GroupCosts:
     """A group's measured load, step and batch figures (thread-safe: engine threads record, the actor's
     loop reads)."""
 
-    def __init__(self, step_s: float = 0.02, batch: float = 1.0):
+    def __init__(self):
         self._lock = threading.Lock()
         self.load_s: Dict[str, float] = {}
         self.disk_load_s: Dict[str, float] = {}
-        self.step_s = step_s
-        self.batch = batch
+        self.step_s = 0.0
+        """0 until a step is measured: the router then uses the other groups' figure (``GroupState.step_s``)."""
+        self.batch = 1.0
 
     def record(self, rec: Any) -> bool:
         """One engine record; True when it changed a figure."""
@@ -52,7 +53,7 @@ class GroupCosts:
                 table[m] = rec.duration if m not in table else (1 - EWMA) * table[m] + EWMA * rec.duration
                 return True
             if kind == "step":
-                self.step_s = (1 - EWMA) * self.step_s + EWMA * rec.duration
+                self.step_s = rec.duration if not self.step_s else (1 - EWMA) * self.step_s + EWMA * rec.duration
                 self.batch = (1 - EWMA) * self.batch + EWMA * max(1, rec.running)
                 return True
         return False

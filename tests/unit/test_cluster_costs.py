@@ -28,11 +28,11 @@ def test_the_first_push_carries_max_loaded_max_batch_and_the_start_ups_measured_
     assert (st.group, st.max_loaded, st.max_batch, st.seq) == (1, 2, 8, 1)
     assert st.resident == {"a"} and st.host == {"b"} and st.served == {"a", "b"} and st.queued_tokens == {"a": 5}
     assert st.load_s == {"a": 0.25} and st.disk_load_s == {"b": 0.5}
-    assert abs(st.step_s - (0.7 * 0.02 + 0.3 * 0.1)) < 1e-9 and abs(st.batch - (0.7 + 0.3 * 3)) < 1e-9
+    assert abs(st.step_s - 0.1) < 1e-9 and abs(st.batch - (0.7 + 0.3 * 3)) < 1e-9
     # a byte budget alone (max_loaded None) and no batch cap are pushed as 0: unknown
     cfg = types.SimpleNamespace(max_loaded=None, max_batch_size=0)
     st = group_state(0, snapshot(), [], GroupCosts(), {}, 1, cfg)
-    assert (st.max_loaded, st.max_batch, st.load_s) == (0, 0, {})
+    assert (st.max_loaded, st.max_batch, st.load_s, st.step_s) == (0, 0, {}, 0.0)  # 0: unknown, unmeasured
 
 
 def state(g, **kw):
@@ -62,3 +62,18 @@ def test_early_traffic_spreads_over_both_groups():
     # every model keeps one group: no model is sent to both while neither is congested
     by_model = {m: {g for g, mm in zip(sent, "abcdabcdab") if mm == m} for m in "abcd"}
     assert all(len(gs) == 1 for gs in by_model.values()), by_model
+
+
+def test_sequential_requests_over_four_models_fill_both_groups_slots_before_swapping():
+    # the issue's symptom: one request at a time; group 0 measured a faster step than group 1's default, so
+    # every new model went to group 0 (each a swap there) while group 1 sat idle
+    r = SwapAwareRouter(2)
+    r.update(state(0, host=MODELS, load_s={m: 0.01 for m in MODELS}, step_s=0.005, max_loaded=1, max_batch=8))
+    r.update(state(1, host=MODELS, step_s=0.0, max_loaded=1, max_batch=8))  # measured nothing yet
+    assert r.step_s(1) == 0.005
+    first = r.route("a", 8, 0.0)
+    r.finished(first, "a", 8)
+    r.update(state(first, seq=2, host=MODELS - {"a"}, resident={"a"}, load_s={m: 0.01 for m in MODELS},
+                   step_s=0.005, max_loaded=1, max_batch=8))
+    assert r.evict_cost(first) == 0.01 and r.evict_cost(1 - first) == 0.0
+    assert r.route("b", 8, 1.0) == 1 - first
