@@ -16,8 +16,8 @@ arrives. A push with a ``seq`` not above the last one seen from that group is st
 2. A request goes to the first replica, in the order (resident, loading, host, other; then age), that is not
    *congested*: where the model's expected queue wait is within its load time from host memory. When every
    replica is congested, the one with the least expected TTFT takes it, unless another group's expected TTFT
-   (swap included) is lower still: then that group becomes one more replica (``replicate``, at most
-   ``max_replicas``) and takes the request.
+   (swap included, and the ``evict_cost`` it puts on a model already there) is lower still: then that group
+   becomes one more replica (``replicate``, at most ``max_replicas``) and takes the request.
 3. Extra replicas take only what the first non-congested one cannot, so when a burst ends they get nothing;
    a replica that got no request for ``cold_after_s`` leaves the set (its group's own eviction then frees the
    device slot), as long as one remains.
@@ -336,8 +336,8 @@ class SwapAwareRouter(Router):
         if self.replicate and len(self._replicas[model_id]) < self.max_replicas:
             others = [g.state.group for g in usable if g.state.group not in reps]
             if others:
-                extra = min(others, key=lambda r: ttft(r, model_id))
-                if ttft(extra, model_id) < ttft(best, model_id):
+                extra = min(others, key=lambda r: ttft(r, model_id) + self.evict_cost(r))
+                if ttft(extra, model_id) + self.evict_cost(extra) < ttft(best, model_id):
                     self._replicas[model_id].append(extra)
                     return self._send(by_id[extra], model_id, tokens, now)
         return self._send(by_id[best], model_id, tokens, now)
