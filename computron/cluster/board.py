@@ -165,9 +165,10 @@ class Board:
 
     def silence(self, i: int, reason: str) -> Optional[int]:
         """The keepalive got no answer from alive group ``i``: down (logged) and ``silent``; returns the seq
-        to push down to the router, or None when it was not up."""
+        to push down to the router, or None when it was not up, or when no other group is up (then its
+        requests could go nowhere else: on a machine too loaded to answer in time, better late than failed)."""
         v = self.views[i]
-        if not v.alive:
+        if not v.alive or not any(o.alive for j, o in enumerate(self.views) if j != i):
             return None
         seq = self.down(i, f"silent: {reason}", noticed="the front's keepalive")
         v.silent = True

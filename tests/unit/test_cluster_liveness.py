@@ -127,6 +127,15 @@ def test_a_silent_group_gets_no_request_until_it_answers_again(front, caplog):
     assert f.group_states()[1]["alive"] and f._route("a", 1, [0], [])[0] == 1
 
 
+def test_the_last_group_up_is_not_taken_out_for_silence(front, caplog):
+    f, groups = front
+    f.start(timeout_s=30)
+    with f._lock:
+        assert f._board.silence(0, "no answer") is not None  # group 1 is up: group 0 is taken out
+        assert f._board.silence(1, "no answer") is None  # the last one up: kept (requests wait for it)
+    assert [s["alive"] for s in f.group_states().values()] == [False, True]
+
+
 @pytest.mark.parametrize("order", ["request first", "push stream first"])
 def test_every_death_is_logged_once_however_it_was_noticed(order, caplog):
     f = ClusterEngine([FakeGroup(0), FakeGroup(1)], SwapAwareRouter(2), CATALOG,
