@@ -71,7 +71,8 @@ TIERS = {"unit": "no process: pure policy, parsing, the engine in-process with f
          "engine": "LaunchEngine with real worker processes on CPU",
          "server": "computron serve live, over HTTP and in a browser",
          "e2e": "launchers, the README's commands, the CPU paths of benchmarks and experiments",
-         "cluster": "several engine groups on a local Ray cluster (skipped without Ray)"}
+         "cluster": "several engine groups on a local Ray cluster (skipped without Ray)",
+         "multinode": "two nodes made of network namespaces on this machine (root, ip, unshare; else skipped)"}
 
 
 def pytest_configure(config):

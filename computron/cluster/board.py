@@ -27,6 +27,7 @@ class GroupDied(EngineDeadError):
     def __init__(self, group: int, reason: str):
         super().__init__(f"engine group {group} died: {reason}")
         self.group = group
+        self.reason = reason
 
 
 def short_error(exc: BaseException) -> str:
@@ -78,6 +79,8 @@ class GroupView:
         self.base_counters: Dict[str, Dict] = {}
         """Totals of its earlier incarnations."""
         self.started = threading.Event()
+        self.silent = False
+        """Taken out of routing by the keepalive (no answer); back when it answers or pushes again."""
 
 
 class Timeline:
@@ -127,23 +130,59 @@ class Board:
             v.restarts += 1
             v.base_counters = add_counters(v.base_counters, v.update.counters)
             log.warning("engine group %d is back (restart %d, incarnation %s)", i, v.restarts, upd.incarnation)
+        elif v.silent and upd.state.alive:
+            log.warning("engine group %d is back: it pushes again", i)
+        if v.alive and not upd.state.alive:
+            self._log_down(i, upd.snapshot.dead_reason or "engine dead", "its own push")
         v.update, v.incarnation, v.alive = upd, upd.incarnation, upd.state.alive
         v.reason = None if upd.state.alive else (upd.snapshot.dead_reason or "engine dead")
+        v.silent = False
         v.seq += 1
         self.timeline.add(i, upd.incarnation, upd.events)
         v.started.set()
         return restarted
 
-    def down(self, i: int, reason: Optional[str] = None, permanent: bool = False) -> int:
-        """Mark group ``i`` down (``reason`` replaces the last one when given); returns its next seq."""
+    @staticmethod
+    def _log_down(i: int, cause: str, noticed: str, permanent: bool = False) -> None:
+        log.error("engine group %d is down%s: %s (noticed by %s)", i, " for good" if permanent else "", cause,
+                  noticed)
+
+    def down(self, i: int, reason: Optional[str] = None, permanent: bool = False, noticed: str = "") -> int:
+        """Mark group ``i`` down (``reason`` replaces the last one when given); returns its next seq. Logs
+        ``engine group N is down: CAUSE`` once per death, whoever noticed it first (``noticed``: a request,
+        the keepalive, its push stream)."""
         v = self.views[i]
-        v.alive = False
+        if v.alive or v.silent or v.reason == "starting" or (permanent and not v.gone):
+            self._log_down(i, reason or v.reason or "unknown cause", noticed or "the front", permanent)
+        v.alive = v.silent = False
         v.gone = v.gone or permanent
         if reason is not None:
             v.reason = reason
         if permanent:
             v.started.set()
         v.seq += 1
+        return v.seq
+
+    def silence(self, i: int, reason: str) -> Optional[int]:
+        """The keepalive got no answer from alive group ``i``: down (logged) and ``silent``; returns the seq
+        to push down to the router, or None when it was not up, or when no other group is up (then its
+        requests could go nowhere else: on a machine too loaded to answer in time, better late than failed)."""
+        v = self.views[i]
+        if not v.alive or not any(o.alive for j, o in enumerate(self.views) if j != i):
+            return None
+        seq = self.down(i, f"silent: {reason}", noticed="the front's keepalive")
+        v.silent = True
+        return seq
+
+    def revive(self, i: int, incarnation: Any) -> Optional[int]:
+        """Silent group ``i`` answered its keepalive again (same incarnation): up again, from its last push;
+        returns its next seq, or None when there is nothing to revive."""
+        v = self.views[i]
+        if not v.silent or v.gone or incarnation != v.incarnation or v.update is None or not v.update.state.alive:
+            return None
+        v.silent, v.alive, v.reason = False, True, None
+        v.seq += 1
+        log.warning("engine group %d is back: it answers the front's keepalive again", i)
         return v.seq
 
     def alive_ids(self) -> List[int]:

@@ -35,9 +35,11 @@ import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import EngineDeadError, LaunchError, RequestTimeoutError, UnknownModelError
-from .board import Board, ClusterSnapshot, GroupDied, short_error
+from .board import Board, GroupDied, short_error
 from .catalog import CatalogMixin
+from .views import ViewsMixin
 from .groups import GroupUpdate, replayable, request_tokens
+from .keepalive import KeepaliveConfig, keep_alive
 from .placement import HostPlacement, HostPlanning
 from .policy import GroupState, NoGroupError
 from .relay import Relayed
@@ -45,15 +47,16 @@ from .relay import Relayed
 log = logging.getLogger("computron.cluster")
 
 
-class ClusterEngine(CatalogMixin, HostPlanning):
+class ClusterEngine(CatalogMixin, HostPlanning, ViewsMixin):
     """The server's ``EngineClient`` over ``groups`` (``EngineGroup`` actor handles, index = group), routed
     by ``router``; ``model_configs`` are the models the groups were launched with (the catalog).
     ``start`` subscribes to every group and waits for their engines. ``placement``: the host placement's
-    re-planning state (``placement.HostPlacement``; its defaults when not given)."""
+    re-planning state (``placement.HostPlacement``; its defaults when not given). ``keepalive``: the front's
+    pings of each group (``keepalive.KeepaliveConfig``; its defaults when not given)."""
 
     def __init__(self, groups: Sequence[Any], router, model_configs: Sequence[Any] = (), *,
                  placement_groups: Sequence[Any] = (), shutdown_grace_s: float = 30.0,
-                 placement: Optional[HostPlacement] = None):
+                 placement: Optional[HostPlacement] = None, keepalive: Optional[KeepaliveConfig] = None):
         self._groups = list(groups)
         self._router = router
         self._pgs = list(placement_groups)
@@ -69,6 +72,7 @@ class ClusterEngine(CatalogMixin, HostPlanning):
         self.retries = 0
         """Requests sent to a second group because the first died before it had answered them whole."""
         self._placement = placement or HostPlacement(len(self._groups))
+        self._keepalive = keepalive if keepalive is not None else KeepaliveConfig()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="computron-cluster-front", daemon=True)
 
@@ -79,6 +83,10 @@ class ClusterEngine(CatalogMixin, HostPlanning):
         self._thread.start()
         for i in range(len(self._groups)):
             asyncio.run_coroutine_threadsafe(self._watch(i), self._loop)
+            if self._keepalive.enabled:
+                asyncio.run_coroutine_threadsafe(
+                    keep_alive(i, self._groups[i].ping.remote, self._keepalive, self._on_silent, self._on_answer,
+                               lambda i=i: self._closed or self._views[i].gone), self._loop)
         deadline = time.monotonic() + timeout_s
         for v in self._views:
             v.started.wait(max(0.0, deadline - time.monotonic()))
@@ -133,13 +141,10 @@ class ClusterEngine(CatalogMixin, HostPlanning):
 
     def _on_death(self, i: int, exc: BaseException, permanent: bool) -> None:
         with self._lock:
-            v = self._views[i]
-            reason = None
-            if v.alive or permanent or v.reason in (None, "starting"):
-                reason = f"dead for good: {exc}"[:2000] if permanent else short_error(exc)
-                log.error("engine group %d is down%s: %s", i, " for good" if permanent else " (Ray restarts it)",
-                          short_error(exc))
-            self._router.update(GroupState(group=i, alive=False, seq=self._board.down(i, reason, permanent)))
+            reason = f"dead for good: {exc}"[:2000] if permanent else short_error(exc)
+            seq = self._board.down(i, reason, permanent,
+                                   noticed="its push stream" + ("" if permanent else "; Ray restarts it"))
+            self._router.update(GroupState(group=i, alive=False, seq=seq))
             self._placement.down(i)
         self._notify(i, None)
 
@@ -148,7 +153,27 @@ class ClusterEngine(CatalogMixin, HostPlanning):
         with self._lock:
             v = self._views[i]
             if v.alive and v.incarnation == incarnation:
-                self._router.update(GroupState(group=i, alive=False, seq=self._board.down(i, str(err))))
+                seq = self._board.down(i, err.reason, noticed="a request")
+                self._router.update(GroupState(group=i, alive=False, seq=seq))
+
+    def _on_silent(self, i: int, reason: str) -> None:
+        """The keepalive got no answer from group ``i`` in time: no new request goes there until it answers."""
+        with self._lock:
+            seq = self._board.silence(i, reason)
+            if seq is not None:
+                self._router.update(GroupState(group=i, alive=False, seq=seq))
+        if seq is not None:
+            self._notify(i, None)
+
+    def _on_answer(self, i: int, incarnation: Any) -> None:
+        """Group ``i`` answered a keepalive: routed again if the keepalive had taken it out."""
+        with self._lock:
+            seq = self._board.revive(i, incarnation)
+            upd = self._views[i].update
+            if seq is not None:
+                self._router.update(self._routed_state(upd, seq))
+        if seq is not None:
+            self._notify(i, upd)
 
     def use_router(self, router) -> None:
         """Route from now on with ``router`` (to compare policies over the same groups), told every group's
@@ -176,7 +201,8 @@ class ClusterEngine(CatalogMixin, HostPlanning):
                 log.exception("a cluster observer failed")
 
     def add_observer(self, fn: Callable[[int, Optional[GroupUpdate]], None]) -> None:
-        """Call ``fn(group, update)`` on the front's thread for every push (``update`` None: the group died)."""
+        """Call ``fn(group, update)`` on the front's thread for every push (``update`` None: the group died or
+        went silent; a silent group's answer repeats its last update)."""
         self._observers.append(fn)
 
     # ---- calls to groups --------------------------------------------------------------------
@@ -292,63 +318,6 @@ class ClusterEngine(CatalogMixin, HostPlanning):
             exclude.append(g)
             died.append(str(error))
         raise EngineDeadError(f"request to model {model_id!r} failed twice: {'; then '.join(died)}")
-
-    # ---- EngineClient: state (from the last pushes) ------------------------------------------------
-    @property
-    def is_alive(self) -> bool:
-        """True while some group serves."""
-        with self._lock:
-            return not self._closed and any(v.alive for v in self._views)
-
-    @property
-    def dead_reason(self) -> Optional[str]:
-        with self._lock:
-            if self._closed:
-                return "the cluster is shut down"
-            return None if any(v.alive for v in self._views) else f"every engine group is down: {self._board.reasons()}"
-
-    @property
-    def model_ids(self) -> List[str]:
-        with self._lock:
-            return list(self._catalog)
-
-    def model_states(self) -> Dict[str, str]:
-        snap = self.snapshot()
-        return {m: s.state for m, s in snap.models.items()}
-
-    def snapshot(self) -> ClusterSnapshot:
-        """Each model merged over the alive groups (best state, summed queues; its ``groups`` says which
-        group holds it how), and every group's own snapshot under ``groups``."""
-        with self._lock:
-            return self._board.snapshot(list(self._catalog), self.is_alive, self.dead_reason)
-
-    def counters(self) -> Dict[str, Dict]:
-        """Every group's totals summed (each group's earlier incarnations included, so they never go down)."""
-        with self._lock:
-            return self._board.counters()
-
-    def events(self, since: int = 0) -> Tuple[int, List[Dict[str, Any]]]:
-        """Every group's timeline (each event names its ``group``); see ``board.Timeline``."""
-        with self._lock:
-            return self._board.timeline.since(since)
-
-    def group_states(self) -> Dict[int, Dict[str, Any]]:
-        """Per group: alive, why not, restarts, incarnation, worker pids, node, and its last ``GroupState``."""
-        with self._lock:
-            return self._board.states()
-
-    @property
-    def groups(self) -> List[Any]:
-        """The groups' actor handles."""
-        return list(self._groups)
-
-    def metrics(self, kind: Optional[str] = None, timeout: float = 60.0) -> Dict[int, List[Any]]:
-        """Each alive group's records (``Engine.metrics``). Blocks: not from an event loop."""
-        import ray
-        with self._lock:
-            alive = self._board.alive_ids()
-        refs = [self._groups[i].metrics.remote(kind) for i in alive]
-        return dict(zip(alive, ray.get(refs, timeout=timeout)))
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:

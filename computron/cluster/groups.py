@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -34,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
+from .costs import GroupCosts, group_state, model_of  # noqa: F401 - model_of: part of this module's API
 from .policy import GroupState
 from .relay import Relayed
 
@@ -45,8 +45,6 @@ PUSH_INTERVAL_S = 0.05
 DEFAULT_MAX_TOKENS = 16
 """Tokens assumed for a generation request that names no ``max_tokens`` (the batch manager's default)."""
 
-_EWMA = 0.3  # weight of the newest measurement in the load, step and batch figures
-_VERSION_KEY = re.compile(r"^(.*)@v\d+$")
 
 
 def request_tokens(data: Any) -> int:
@@ -64,12 +62,6 @@ def replayable(data: Any) -> bool:
     if not isinstance(data, dict):
         return False
     return not data.get("temperature") or data.get("top_k") == 1 or data.get("seed") is not None
-
-
-def model_of(key: str) -> str:
-    """The model id of an engine version key (``m@v2`` -> ``m``; ids never contain ``@``)."""
-    m = _VERSION_KEY.match(key)
-    return m.group(1) if m else key
 
 
 @dataclass(frozen=True)
@@ -133,15 +125,14 @@ class EngineGroup:
         self._version = 0
         self._wake: Optional[asyncio.Event] = None
         self._queued: Counter = Counter()
-        self._load_s: Dict[str, float] = {}
-        self._disk_load_s: Dict[str, float] = {}
-        self._step_s = 0.02
-        self._batch = 1.0
+        self.costs = GroupCosts()
         # on a thread of its own: Ray runs this constructor on the actor's event loop, which has nothing to
         # do until the engine exists (a restarted group answers no call before it is rebuilt)
         with ThreadPoolExecutor(1, thread_name_prefix="computron-group-launch") as pool:
             self.engine = pool.submit(LaunchEngine, engine_config, list(model_configs), tp, pp).result()
         self.engine.add_observer(self._on_record)
+        # what the engine did before it was observed (its start-up's loads): in the first push already
+        self.costs.seed(sorted(self.engine.metrics("load") + self.engine.metrics("step"), key=lambda r: r.end))
         threading.Thread(target=self._exit_with_engine, name="computron-group-watch", daemon=True).start()
         log.info("group %d (incarnation %s) serves %s on workers %s", group, self.incarnation,
                  sorted(self.tags), self.worker_pids())
@@ -172,15 +163,7 @@ class EngineGroup:
 
     def _on_record(self, rec: Any) -> None:
         """Engine observer (engine threads, under its lock): keep the measured figures, mark dirty."""
-        kind = rec.kind
-        with self._flag:  # read by _state on the actor's loop
-            if kind == "load" and rec.error is None:
-                table = self._disk_load_s if getattr(rec, "tier", "host") == "disk" else self._load_s
-                m = model_of(rec.model_id)
-                table[m] = rec.duration if m not in table else (1 - _EWMA) * table[m] + _EWMA * rec.duration
-            elif kind == "step" and rec.error is None:
-                self._step_s = (1 - _EWMA) * self._step_s + _EWMA * rec.duration
-                self._batch = (1 - _EWMA) * self._batch + _EWMA * max(1, rec.running)
+        self.costs.record(rec)
         self._changed()
 
     def _changed(self) -> None:
@@ -209,17 +192,8 @@ class EngineGroup:
         return self._state(self.engine.snapshot())
 
     def _state(self, snap) -> GroupState:
-        models = snap.models
-        in_host = {m for m, s in models.items() if s.state in ("offloaded", "offloading") and s.tier == "host"}
-        with self._flag:
-            load_s, disk_load_s, step_s, batch = dict(self._load_s), dict(self._disk_load_s), self._step_s, self._batch
-        return GroupState(
-            group=self.group, alive=snap.alive,
-            resident=frozenset(m for m, s in models.items() if s.state == "loaded"),
-            loading=frozenset(m for m, s in models.items() if s.state == "loading"),
-            host=frozenset(in_host), served=frozenset(self.engine.model_ids),
-            queued_tokens={m: t for m, t in self._queued.items() if t > 0},
-            load_s=load_s, disk_load_s=disk_load_s, step_s=step_s, seq=self._version, batch=batch)
+        return group_state(self.group, snap, self.engine.model_ids, self.costs, self._queued, self._version,
+                           self.engine.config)
 
     def _update(self, since: int) -> Tuple[GroupUpdate, int]:
         cursor, events = self.engine.events(max(0, since - 1))  # the last one again: steps extend it in place
@@ -338,6 +312,10 @@ class EngineGroup:
     def worker_pids(self) -> Dict[int, int]:
         """The engine's worker processes: rank -> pid (kill one to test a group's death)."""
         return {r: w.pid for r, w in self.engine.workers.items()}
+
+    async def ping(self) -> str:
+        """The front's keepalive (``keepalive.py``): this incarnation."""
+        return self.incarnation
 
     async def info(self) -> Dict[str, Any]:
         return {"group": self.group, "incarnation": self.incarnation, "pids": self.worker_pids(),

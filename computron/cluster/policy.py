@@ -10,12 +10,14 @@ arrives. A push with a ``seq`` not above the last one seen from that group is st
 1. The model's *replica set* (the groups the router currently sends it to) is kept per model. A model without
    one gets a first group: one where it is resident, else loading (or has work for it queued: the group
    brings it in anyway), else in host memory, else any; among several groups of the same kind, the one with
-   the least expected TTFT (below).
+   the least expected TTFT (below) plus ``evict_cost`` (on a group whose ``max_loaded`` slots are all taken,
+   the reload the evicted model will need: light traffic over several models fills every group's slots
+   before it makes one group swap).
 2. A request goes to the first replica, in the order (resident, loading, host, other; then age), that is not
    *congested*: where the model's expected queue wait is within its load time from host memory. When every
    replica is congested, the one with the least expected TTFT takes it, unless another group's expected TTFT
-   (swap included) is lower still: then that group becomes one more replica (``replicate``, at most
-   ``max_replicas``) and takes the request.
+   (swap included, and the ``evict_cost`` it puts on a model already there) is lower still: then that group
+   becomes one more replica (``replicate``, at most ``max_replicas``) and takes the request.
 3. Extra replicas take only what the first non-congested one cannot, so when a burst ends they get nothing;
    a replica that got no request for ``cold_after_s`` leaves the set (its group's own eviction then frees the
    device slot), as long as one remains.
@@ -27,7 +29,9 @@ one waits besides for a slot: (requests over the batch) / batch x (their mean re
 0 when resident, half a load when loading, else ``load_s`` (in host memory) or ``disk_load_s`` (not),
 plus ``MIN_TURN_STEPS`` cycles when every one of its ``max_loaded`` slots holds a model with work (a
 preemption must wait for a turn to end). A figure the group did not report is estimated from the other
-groups' reports for that model, else from the group's other models, else ``DEFAULT_LOAD_S``.
+groups' reports for that model, else from the group's other models, else from the fleet's figures for any
+model (a group that has loaded nothing yet is costed like the others, not at a constant), else
+``DEFAULT_LOAD_S``.
 
 ``expected_wait(group)`` is the time a group needs to drain what it holds: its queued tokens x ``step_s`` /
 ``batch`` (sequences decoded per step).
@@ -42,10 +46,13 @@ from typing import Collection, Dict, FrozenSet, List, Mapping, Optional
 # absolute, and pure (no torch): the turn a model keeps its slot before a waiting one may preempt it
 from computron.sched.policies import MIN_TURN_STEPS
 
-__all__ = ["GroupState", "NoGroupError", "Router", "SwapAwareRouter", "DEFAULT_LOAD_S", "TIERS"]
+__all__ = ["GroupState", "NoGroupError", "Router", "SwapAwareRouter", "DEFAULT_LOAD_S", "DEFAULT_STEP_S", "TIERS"]
 
 DEFAULT_LOAD_S = 1.0
 """The load time assumed for a model no group has reported a figure for (seconds)."""
+
+DEFAULT_STEP_S = 0.02
+"""The seconds per step assumed while no group has measured one."""
 
 TIERS = ("resident", "loading", "host", "disk")
 """Where a model is on a group, best first (the index is the tier)."""
@@ -77,7 +84,7 @@ class GroupState:
     disk_load_s: Mapping[str, float] = field(default_factory=dict)
     """Per model: expected seconds to load it from disk (for models not in its host memory)."""
     step_s: float = 0.02
-    """Recent seconds per decode step."""
+    """Recent seconds per decode step; 0: not measured yet (the router uses the other groups' figures)."""
     seq: int = 0
     """Push counter of this group; a push whose seq is not above the last one seen is ignored."""
     batch: float = 1.0
@@ -114,9 +121,8 @@ class _Group:
         if had > 0 and had - gone <= 0:
             self.active -= 1
 
-    def wait(self) -> float:
-        s = self.state
-        return self.total * s.step_s / max(1.0, s.batch)
+    def wait(self, step_s: float) -> float:
+        return self.total * step_s / max(1.0, self.state.batch)
 
     def tier(self, m: str) -> int:
         s = self.state
@@ -186,7 +192,16 @@ class Router:
 
     def expected_wait(self, group: int) -> float:
         """Seconds the group needs to drain what it holds, as the router estimates it."""
-        return self._groups[group].wait()
+        return self._groups[group].wait(self.step_s(group))
+
+    def step_s(self, group: int) -> float:
+        """The group's seconds per step: its own figure, else (not measured yet) the mean of the others',
+        else ``DEFAULT_STEP_S``."""
+        own = self._groups[group].state.step_s
+        if own > 0:
+            return own
+        fleet = [g.state.step_s for g in self._groups.values() if g.state.step_s > 0]
+        return sum(fleet) / len(fleet) if fleet else DEFAULT_STEP_S
 
 
 class SwapAwareRouter(Router):
@@ -209,17 +224,24 @@ class SwapAwareRouter(Router):
 
     # ---- costs ---------------------------------------------------------------
     def _load_estimate(self, g: _Group, m: str, disk: bool) -> float:
-        s = g.state
-        table = s.disk_load_s if disk else s.load_s
-        if m in table:
-            return float(table[m])
-        others = [float(o.state.disk_load_s[m] if disk else o.state.load_s[m]) for o in self._groups.values()
-                  if m in (o.state.disk_load_s if disk else o.state.load_s)]
-        if others:
-            return sum(others) / len(others)
-        if table:
-            return sum(table.values()) / len(table)
-        if disk and s.load_s:  # no disk figure anywhere: not faster than a host load
+        """The group's own figure for ``m``, else the fleet's for ``m``, else the group's own for its other
+        models, else the fleet's for all models (so a group that has measured nothing yet is costed like
+        those that have, not at a constant), else, for a disk load, its host-load estimate; ``DEFAULT_LOAD_S``
+        when no group measured anything."""
+        def table(o: _Group):
+            return o.state.disk_load_s if disk else o.state.load_s
+        own = table(g)
+        if m in own:
+            return float(own[m])
+        same = [float(table(o)[m]) for o in self._groups.values() if m in table(o)]
+        if same:
+            return sum(same) / len(same)
+        if own:
+            return sum(own.values()) / len(own)
+        fleet = [float(v) for o in self._groups.values() for v in table(o).values()]
+        if fleet:
+            return sum(fleet) / len(fleet)
+        if disk:  # no disk figure anywhere: not faster than a host load
             return self._load_estimate(g, m, False)
         return DEFAULT_LOAD_S
 
@@ -239,9 +261,20 @@ class SwapAwareRouter(Router):
             load += MIN_TURN_STEPS * self._cycle(g, model_id)
         return load
 
+    def evict_cost(self, group: int) -> float:
+        """Seconds a new model costs the models already on ``group`` when every one of its ``max_loaded`` slots
+        is taken: the cheapest reload of a resident model the router sends there (it will be wanted back); 0
+        with a free slot, an unknown ``max_loaded``, or no resident model routed there."""
+        g = self._groups[group]
+        s = g.state
+        if not s.max_loaded or len(s.resident) + len(s.loading) < s.max_loaded:
+            return 0.0
+        routed = [v for v in s.resident if group in self._replicas.get(v, ())]
+        return min((self._load_estimate(g, v, disk=False) for v in routed), default=0.0)
+
     def _cycle(self, g: _Group, m: str) -> float:
         """Seconds between two steps of ``m`` on the group: one step of each model with work there."""
-        return g.state.step_s * (g.active + (0 if g.queued.get(m, 0) > 0 else 1))
+        return self.step_s(g.state.group) * (g.active + (0 if g.queued.get(m, 0) > 0 else 1))
 
     def queue_wait(self, group: int, model_id: str) -> float:
         """Seconds until a new request of the model gets its first step there, once the model is resident."""
@@ -289,7 +322,8 @@ class SwapAwareRouter(Router):
             # equal expected TTFTs (every group idle): the group the router gives fewest models to, so that
             # light traffic spreads over the groups instead of filling the first one's slots
             g = min((g for g in usable if g.tier(model_id) == best),
-                    key=lambda g: (ttft(g.state.group, model_id), self._models_on(g.state.group)))
+                    key=lambda g: (ttft(g.state.group, model_id) + self.evict_cost(g.state.group),
+                                   self._models_on(g.state.group)))
             self._replicas[model_id] = [g.state.group] + [r for r in self._replicas.get(model_id, [])
                                                           if r != g.state.group]
             return self._send(g, model_id, tokens, now)
@@ -302,8 +336,8 @@ class SwapAwareRouter(Router):
         if self.replicate and len(self._replicas[model_id]) < self.max_replicas:
             others = [g.state.group for g in usable if g.state.group not in reps]
             if others:
-                extra = min(others, key=lambda r: ttft(r, model_id))
-                if ttft(extra, model_id) < ttft(best, model_id):
+                extra = min(others, key=lambda r: ttft(r, model_id) + self.evict_cost(r))
+                if ttft(extra, model_id) + self.evict_cost(extra) < ttft(best, model_id):
                     self._replicas[model_id].append(extra)
                     return self._send(by_id[extra], model_id, tokens, now)
         return self._send(by_id[best], model_id, tokens, now)

@@ -64,15 +64,20 @@ def make_router(router: Union[str, Any], n_groups: int):
 
 def start_cluster(engine_config, model_configs: Sequence[Any], n_groups: int, tp: int = 1, pp: int = 1, *,
                   router: Union[str, Any] = "swap-aware", max_restarts: int = 3, timeout_s: Optional[float] = None,
-                  placement=None):
+                  placement=None, keepalive=None):
     """Launch ``n_groups`` groups serving ``model_configs`` and return the started ``ClusterEngine`` (Ray
     must be initialized). ``LaunchError`` when a group fails to start (its engine's error) or the cluster
     cannot hold the groups' placement bundles. ``placement``: the host placement's re-planning state
-    (``placement.HostPlacement``; its defaults when not given)."""
+    (``placement.HostPlacement``; its defaults when not given). ``keepalive``: the front's pings of each group
+    (``keepalive.KeepaliveConfig``; when not given, its defaults overridden by ``COMPUTRON_GROUP_KEEPALIVE_S``
+    and ``COMPUTRON_GROUP_KEEPALIVE_TIMEOUT_S``)."""
     _ray()
     from .front import ClusterEngine
     from .groups import launch_groups
+    from .keepalive import KeepaliveConfig
+    keepalive = keepalive if keepalive is not None else KeepaliveConfig.from_env()
     handles, pgs = launch_groups(n_groups, engine_config, model_configs, tp, pp, max_restarts=max_restarts)
     cluster = ClusterEngine(handles, make_router(router, n_groups), model_configs, placement_groups=pgs,
-                            shutdown_grace_s=engine_config.shutdown_grace_s + 5, placement=placement)
+                            shutdown_grace_s=engine_config.shutdown_grace_s + 5, placement=placement,
+                            keepalive=keepalive)
     return cluster.start(timeout_s if timeout_s is not None else engine_config.start_timeout_s + 60)

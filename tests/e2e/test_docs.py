@@ -39,6 +39,7 @@ MARKERS = (
     re.compile(r"not run: needs several hosts"),
     re.compile(r"not run: takes \d+ minutes; its --quick path is run by (?P<test>tests/\S+\.py::\w+)"),
     re.compile(r"run by (?P<test>tests/\S+\.py::\w+)"),
+    re.compile(r"not run: needs root \(network namespaces\)"),
     re.compile(r"output, not a command"),
 )
 
