@@ -179,7 +179,8 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
     n = getattr(hf, "max_position_embeddings", None)
     bm = None
     if entry.max_batch_size is not None:
-        bm = CausalLMBatchManager.for_config(hf, max_batch_size=entry.max_batch_size, generation=generation)
+        # from the checkpoint directory: its config, generation config and (for grammars) tokenizer
+        bm = CausalLMBatchManager.for_checkpoint(entry.path, max_batch_size=entry.max_batch_size)
     config = ModelConfig(entry.id, load_causal_lm, kwargs, batch_manager=bm, **common)
     served = ServedModel(entry.id, entry.path, ModelKind.GENERATION, text=text,
                          max_positions=n if isinstance(n, int) else None, entry=entry, generation=generation,
