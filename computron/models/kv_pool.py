@@ -1,0 +1,199 @@
+"""A paged KV pool: one preallocated key tensor and one value tensor per layer, cut into fixed-size blocks.
+
+Each layer's pool is ``[kv_heads, num_blocks * block_size, head_dim]``; which slots hold which sequence's
+tokens is ``sched.kv_blocks.BlockTables``' business. A step's tokens run as ONE ragged row (``[1, T]``: the
+running sequences' newest tokens and the joining prompts, concatenated, no padding): ``prepare`` reserves
+their slots and builds, once per step, the slot indices to write and to read, each token's position and the
+attention mask; the model's attention layers then call ``update`` (transformers' cache interface), which
+writes the step's keys and values into their slots (``index_copy_``, nothing else is copied into the pool)
+and returns every sequence's keys and values gathered in order; the mask (block diagonal, causal, and
+windowed for sliding-window layers) keeps each token to its own sequence's past. The attention itself stays
+the model's own (``config._attn_implementation``: sdpa, eager with soft-capping, ...), so every family that
+goes through transformers' attention interface runs unchanged.
+
+The pool grows (doubling, one copy per layer) when a step needs more blocks than are free; it starts at
+``initial_blocks``. ``park`` copies the blocks in use only (renumbered to the front of the pool) to host
+memory and frees the device pool; ``unpark`` brings them back.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..sched.kv_blocks import BlockTables
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def layer_types(config) -> Optional[Tuple[str, ...]]:
+    types = getattr(config, "layer_types", None)
+    return tuple(types) if types else None
+
+
+def mask_kinds(config) -> Tuple[str, ...]:
+    """The attention masks this config's layers use: full, sliding, or both (a mapping then)."""
+    types = layer_types(config)
+    if types:
+        return tuple(k for k in (FULL, SLIDING) if k in types)
+    window = getattr(config, "sliding_window", None)
+    return (SLIDING,) if window and getattr(config, "use_sliding_window", True) else (FULL,)
+
+
+class PagedKV:
+    """The cache object a stage's forward gets in paged mode (duck-typed as transformers' ``Cache``)."""
+
+    is_compileable = False
+
+    def __init__(self, config, block_size: int = 16, initial_blocks: int = 64):
+        self.config = config
+        self.tables = BlockTables(initial_blocks, block_size)
+        self.keys: Dict[int, torch.Tensor] = {}    # layer_idx -> [kv_heads, slots, head_dim]
+        self.values: Dict[int, torch.Tensor] = {}
+        self.kinds = mask_kinds(config)
+        self.window = getattr(config, "sliding_window", None)
+        self.parked: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None
+        # one step's indices (prepare)
+        self._write: Optional[torch.Tensor] = None
+        self._read: Optional[torch.Tensor] = None
+        self.position_ids: Optional[torch.Tensor] = None
+        self.last_index: Optional[torch.Tensor] = None
+
+    # ---- transformers' Cache interface, as the models use it ------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions always come with the step (``position_ids``)
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, kwargs=None):
+        k, v = key_states[0], value_states[0]  # [kv_heads, T, head_dim]
+        pool_k = self.keys.get(layer_idx)
+        if pool_k is None or pool_k.shape[1] < self.tables.num_blocks * self.tables.block_size:
+            pool_k, pool_v = self._allocate(layer_idx, k)
+        else:
+            pool_v = self.values[layer_idx]
+        pool_k.index_copy_(1, self._write, k.to(pool_k.dtype))
+        pool_v.index_copy_(1, self._write, v.to(pool_v.dtype))
+        return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
+
+    def _allocate(self, layer_idx: int, like: torch.Tensor):
+        """The layer's pool at the table's current size (a first allocation, or a grown copy)."""
+        slots = self.tables.num_blocks * self.tables.block_size
+        heads, _, dim = like.shape
+        new = [torch.empty((heads, slots, dim), dtype=like.dtype, device=like.device) for _ in range(2)]
+        old = (self.keys.get(layer_idx), self.values.get(layer_idx))
+        for n, o in zip(new, old):
+            if o is not None:
+                n[:, :o.shape[1]].copy_(o)
+        self.keys[layer_idx], self.values[layer_idx] = new
+        return new
+
+    # ---- one step ------------------------------------------------------------------
+    def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype):
+        """Reserve the step's slots: ``new_tokens`` is ``(sid, count)`` per sequence in row order (running
+        ones with 1, joining ones with their prompt length). Returns the attention mask: one 4D additive
+        mask ``[1, 1, T, S]``, or a mapping of them by layer type where the model has several."""
+        need = sum(self.tables.blocks_needed(sid, n) for sid, n in new_tokens)
+        if need > self.tables.free_blocks:  # grown here, so that the appends below cannot raise PoolFull
+            self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
+        write: List[int] = []
+        read: List[int] = []
+        q_seq: List[int] = []
+        q_pos: List[int] = []
+        k_seq: List[int] = []
+        k_pos: List[int] = []
+        last: List[int] = []
+        for i, (sid, n) in enumerate(new_tokens):
+            start = self.tables.lengths.get(sid, 0)
+            write += self.tables.append(sid, n)
+            total = start + n
+            read += self.tables.slots(sid)
+            q_seq += [i] * n
+            q_pos += range(start, total)
+            k_seq += [i] * total
+            k_pos += range(total)
+            last.append(len(q_pos) - 1)
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        self._write, self._read = as_t(write), as_t(read)
+        self.position_ids = as_t(q_pos)[None]
+        self.last_index = as_t(last)
+        qs, qp, ks, kp = as_t(q_seq), self.position_ids[0], as_t(k_seq), as_t(k_pos)
+        allowed = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
+        masks = {}
+        for kind in self.kinds:
+            ok = allowed
+            if kind == SLIDING and self.window:
+                ok = ok & (qp[:, None] - kp[None, :] < int(self.window))
+            masks[kind] = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
+                ~ok, torch.finfo(dtype).min)[None, None]
+        return masks if layer_types(self.config) else masks[self.kinds[0]]
+
+    # ---- sequences and accounting --------------------------------------------------------
+    def free(self, sids) -> None:
+        self.tables.free(sids)
+
+    def clear(self) -> None:
+        self.tables.clear()
+
+    def token_bytes(self) -> int:
+        """KV bytes of one token over this rank's layers: 2 (K and V) x kv_heads x head_dim x element size."""
+        src = self.keys if self.parked is None else {i: kv[0] for i, kv in self.parked.items()}
+        return sum(2 * t.shape[0] * t.shape[2] * t.element_size() for t in src.values())
+
+    def kv_bytes(self) -> int:
+        """Bytes of the tokens held (the model's formula times the tokens), wherever they are."""
+        return self.tables.used_tokens * self.token_bytes()
+
+    def block_bytes(self) -> int:
+        return self.tables.block_size * self.token_bytes()
+
+    # ---- preemption --------------------------------------------------------------------
+    def park(self) -> int:
+        """Copy the blocks in use (only those, renumbered to the front) to host memory and let the device
+        pool go; return the bytes copied."""
+        if self.parked is not None:
+            return 0
+        order = self.tables.renumber()
+        n = len(order) * self.tables.block_size
+        idx = None
+        moved = 0
+        self.parked = {}
+        for layer in list(self.keys):
+            k, v = self.keys.pop(layer), self.values.pop(layer)
+            if idx is None:
+                idx = _slot_index(order, self.tables.block_size, k.device)
+            host = []
+            for t in (k, v):
+                h = torch.empty((t.shape[0], n, t.shape[2]), dtype=t.dtype, device="cpu",
+                                pin_memory=t.device.type == "cuda")
+                h.copy_(t.index_select(1, idx), non_blocking=True)
+                host.append(h)
+                moved += h.numel() * h.element_size()
+            self.parked[layer] = tuple(host)
+        if idx is not None and idx.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return moved
+
+    def unpark(self, device: torch.device) -> int:
+        """Bring the parked blocks back into a fresh device pool (at its front); return the bytes copied."""
+        if self.parked is None:
+            return 0
+        moved = 0
+        slots = self.tables.num_blocks * self.tables.block_size
+        for layer, (k, v) in self.parked.items():
+            new = []
+            for t in (k, v):
+                d = torch.empty((t.shape[0], slots, t.shape[2]), dtype=t.dtype, device=device)
+                d[:, :t.shape[1]].copy_(t, non_blocking=True)
+                new.append(d)
+                moved += t.numel() * t.element_size()
+            self.keys[layer], self.values[layer] = new
+        self.parked = None
+        return moved
+
+
+def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:
+    b = torch.tensor(blocks, dtype=torch.long, device=device)
+    return (b[:, None] * block_size + torch.arange(block_size, device=device)[None]).reshape(-1)
+
+
+__all__ = ["PagedKV", "mask_kinds"]
