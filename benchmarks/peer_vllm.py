@@ -14,10 +14,12 @@ Prints ONE JSON line: per engine and concurrency ``tokens_per_s`` (completion to
 ``ttft_p50_s`` and ``tpot_p50_s`` (time per output token after the first), and the ratios ours / vLLM:
 ``tokens_per_s_ratio_c1``, ``tokens_per_s_ratio_c8`` (higher is better for us), ``ttft_p50_ratio_cN`` and
 ``tpot_p50_ratio_cN`` (lower is better for us), ``same_text`` (greedy answers equal, of all).
-Where vLLM cannot be installed or started it prints ``{"skipped": "why"}`` and exits 0.
+Where vLLM cannot be installed or started it prints ``{"skipped": "why"}`` and exits 0. ``--variant
+NAME:KEY=VALUE,...`` adds a computron server with other EngineConfig fields, measured in the same rounds (A A'
+B A A' B), its figures and ratios under ``variants.NAME``: a before/after comparison against one vLLM run.
 
     .venv/bin/python benchmarks/peer_vllm.py                     # ~10 minutes on 2 CPU cores (first: + install)
-    .venv/bin/python benchmarks/peer_vllm.py --engine worker_threads=1 --rounds 1
+    .venv/bin/python benchmarks/peer_vllm.py --engine kv_cache=dynamic --variant paged:kv_cache=paged
     .venv/bin/python benchmarks/peer_vllm.py --dry-run           # checks the setup only (seconds)
 """
 from __future__ import annotations
@@ -189,6 +191,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="A B rounds per concurrency")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                    help="a computron EngineConfig field for our server (YAML value), repeatable")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="one more computron server with these EngineConfig fields (on top of --engine), measured "
+                        "in the same rounds; its ratios go under variants.NAME (repeatable)")
     p.add_argument("--venv", default=DEFAULT_VENV, help="vLLM's virtual environment (built once when missing)")
     p.add_argument("--no-install", action="store_true", help="skip where the vLLM venv is not built yet")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for each server to become ready")
@@ -209,18 +214,24 @@ def main() -> int:
     ckpt = gguf.convert(gguf_file)
     work = tempfile.mkdtemp(prefix="computron-peer-vllm-")
     engine = {k: yaml.safe_load(v) for k, v in (e.split("=", 1) for e in args.engine)}
-    cfg = os.path.join(work, "computron.yaml")
-    with open(cfg, "w") as f:
-        yaml.safe_dump({"models": [{"id": "smol", "path": ckpt, "max_batch_size": max(args.concurrency)}],
-                        "engine": engine}, f)
+    setups = {"computron": engine}
+    for v in args.variant:
+        name, _, fields = v.partition(":")
+        setups[name] = {**engine, **{k: yaml.safe_load(x) for k, x in (f.split("=", 1) for f in fields.split(","))}}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    ours_port, theirs_port = free_port(), free_port()
-    servers = {}
+    servers, urls = {}, {}
     try:
-        servers["computron"] = start([sys.executable, "-m", "computron", "serve", "--config", cfg,
-                                      "--port", str(ours_port), "--log-level", "warning"],
-                                     f"http://127.0.0.1:{ours_port}", os.path.join(work, "computron.log"), env,
-                                     args.start_timeout)
+        for name, fields in setups.items():
+            cfg = os.path.join(work, f"{name}.yaml")
+            with open(cfg, "w") as f:
+                yaml.safe_dump({"models": [{"id": "smol", "path": ckpt, "max_batch_size": max(args.concurrency)}],
+                                "engine": fields}, f)
+            port = free_port()
+            servers[name] = start([sys.executable, "-m", "computron", "serve", "--config", cfg, "--port", str(port),
+                                   "--log-level", "warning"], f"http://127.0.0.1:{port}",
+                                  os.path.join(work, f"{name}.log"), env, args.start_timeout)
+            urls[name] = f"http://127.0.0.1:{port}"
+        theirs_port = free_port()
         try:
             servers["vllm"] = start([py, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--dtype",
                                      "float32", "--served-model-name", "smol", "--port", str(theirs_port),
@@ -229,7 +240,7 @@ def main() -> int:
                                     args.start_timeout)
         except RuntimeError as exc:
             return skipped(f"vLLM did not start: {exc}")
-        urls = {"computron": f"http://127.0.0.1:{ours_port}", "vllm": f"http://127.0.0.1:{theirs_port}"}
+        urls["vllm"] = f"http://127.0.0.1:{theirs_port}"
         for url in urls.values():  # warm-up, not counted
             asyncio.run(run_load(url, "smol", 1, 1, 8))
         out = {"bench": "peer_vllm", "model": "SmolLM2-135M-Instruct fp32", "n": args.n,
@@ -243,14 +254,21 @@ def main() -> int:
                     runs[name].append((wall, rows))
                     texts[name].update({(c, i): r[3] for i, r in enumerate(rows)})
                     print(f"c={c} {name}: {sum(r[2] for r in rows) / wall:.1f} tok/s", file=sys.stderr)
-            ours, theirs = summary(runs["computron"]), summary(runs["vllm"])
-            out[f"computron_c{c}"], out[f"vllm_c{c}"] = ours, theirs
-            out[f"tokens_per_s_ratio_c{c}"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
-            out[f"ttft_p50_ratio_c{c}"] = round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3)
-            if ours["tpot_p50_s"] and theirs["tpot_p50_s"]:
-                out[f"tpot_p50_ratio_c{c}"] = round(ours["tpot_p50_s"] / theirs["tpot_p50_s"], 3)
-        keys = sorted(texts["computron"])
-        out["same_text"] = f"{sum(texts['computron'][k] == texts['vllm'][k] for k in keys)}/{len(keys)}"
+            theirs = summary(runs["vllm"])
+            out[f"vllm_c{c}"] = theirs
+            for name in setups:
+                ours = summary(runs[name])
+                into = out if name == "computron" else out.setdefault("variants", {}).setdefault(
+                    name, {"engine": setups[name]})
+                into[f"computron_c{c}"] = ours
+                into[f"tokens_per_s_ratio_c{c}"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
+                into[f"ttft_p50_ratio_c{c}"] = round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3)
+                if ours["tpot_p50_s"] and theirs["tpot_p50_s"]:
+                    into[f"tpot_p50_ratio_c{c}"] = round(ours["tpot_p50_s"] / theirs["tpot_p50_s"], 3)
+        keys = sorted(texts["vllm"])
+        for name in setups:
+            into = out if name == "computron" else out["variants"][name]
+            into["same_text"] = f"{sum(texts[name][k] == texts['vllm'][k] for k in keys)}/{len(keys)}"
         print(json.dumps(out), flush=True)
         return 0
     finally:
