@@ -67,12 +67,16 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
     return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
 
 
-def _running_batch(config, ctx: StageContext):
-    """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``) or in
-    transformers' DynamicCache, left-padded."""
+def _running_batch(config, ctx: StageContext, module, layers: int):
+    """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``, its first
+    blocks ``kv_reserve`` of this stage's weight bytes) or in transformers' DynamicCache, left-padded."""
     if getattr(ctx, "kv_cache", "dynamic") == "paged":
+        from .kv_pool import initial_blocks
         from .paged_running import PagedBatch
-        return PagedBatch(config, block_size=ctx.kv_block_size)
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        return PagedBatch(config, block_size=ctx.kv_block_size,
+                          initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
+                                                        ctx.kv_reserve * weights))
     from .running import RunningBatch
     return RunningBatch()
 
@@ -99,7 +103,7 @@ class CausalLMRunner(GenerativeRunner):
         masked columns inside a running row's recent keys, which a sliding window counts."""
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.running = _running_batch(self.config, ctx)
+        self.running = _running_batch(self.config, ctx, model, len(self.layer_ids))
         """The model's sequences between steps (token-level generation)."""
         self.lora = None
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""

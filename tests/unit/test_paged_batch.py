@@ -90,3 +90,12 @@ def test_paged_ragged_steps_equal_generate(family, root):
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # the model's formula (float32)
     assert tokens > 0 and kv == tokens * per_token  # the pool accounts each token as the formula says
+
+
+def test_initial_blocks_follow_the_kv_formula():
+    from computron.models.kv_pool import initial_blocks
+    cfg = SimpleNamespace(num_key_value_heads=2, num_attention_heads=4, hidden_size=64, head_dim=None,
+                          dtype="bfloat16")
+    # per block: 2 (K, V) x 1 KV head (2 over TP=2) x 16 dims x 2 bytes x 2 layers x 4 tokens = 512 bytes
+    assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=10_000) == 19
+    assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=5_000) == 16  # the floor
