@@ -70,6 +70,8 @@ class PagedKV:
         # one step's indices (prepare)
         self._write: Optional[torch.Tensor] = None
         self._read: Optional[torch.Tensor] = None
+        self._shape: Optional[Tuple[int, int]] = None  # (rows, keys per row) of a decode step's gather
+        self.batched = False
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
 
@@ -78,7 +80,8 @@ class PagedKV:
         return 0  # positions always come with the step (``position_ids``)
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, kwargs=None):
-        k, v = key_states[0], value_states[0]  # [kv_heads, T, head_dim]
+        # [B, kv_heads, n, head_dim] -> [kv_heads, B * n, head_dim]: the step's tokens in row order
+        k, v = (t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[3]) for t in (key_states, value_states))
         pool_k = self.keys.get(layer_idx)
         if pool_k is None or pool_k.shape[1] < self.tables.num_blocks * self.tables.block_size:
             pool_k, pool_v = self._allocate(layer_idx, k)
@@ -86,7 +89,11 @@ class PagedKV:
             pool_v = self.values[layer_idx]
         pool_k.index_copy_(1, self._write, k.to(pool_k.dtype))
         pool_v.index_copy_(1, self._write, v.to(pool_v.dtype))
-        return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
+        if self._shape is None:
+            return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
+        b, width = self._shape
+        return tuple(p.index_select(1, self._read).view(p.shape[0], b, width, p.shape[2]).transpose(0, 1)
+                     for p in (pool_k, pool_v))
 
     def _allocate(self, layer_idx: int, like: torch.Tensor):
         """The layer's pool at the table's current size (a first allocation, or a grown copy)."""
@@ -103,41 +110,58 @@ class PagedKV:
     # ---- one step ------------------------------------------------------------------
     def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype):
         """Reserve the step's slots: ``new_tokens`` is ``(sid, count)`` per sequence in row order (running
-        ones with 1, joining ones with their prompt length). Returns the attention mask: one 4D additive
-        mask ``[1, 1, T, S]``, or a mapping of them by layer type where the model has several."""
+        ones with 1, joining ones with their prompt length). Returns the attention mask (a 4D additive mask,
+        or a mapping of them by layer type where the model has several) for one of two layouts:
+
+        - a decode step (every count 1): a batch of rows ``[B, 1]``, each row's keys gathered from its
+          blocks into ``[B, kv_heads, L, head_dim]`` (``L`` the longest; the mask ``[B, 1, 1, L]`` hides
+          the rest), so attention costs what each row attends, as in a batch of the dynamic cache;
+        - any other step: ONE ragged row ``[1, T]`` of every sequence's new tokens, attending to every
+          sequence's keys concatenated ``[1, kv_heads, S, head_dim]`` through a block-diagonal causal mask
+          ``[1, 1, T, S]``.
+
+        ``self.batched`` says which; ``position_ids`` ([B, 1] or [1, T]) and ``last_index`` (None, or the
+        ragged row's index of each sequence's last token) go with it."""
         need = sum(self.tables.blocks_needed(sid, n) for sid, n in new_tokens)
         if need > self.tables.free_blocks:  # grown here, so that the appends below cannot raise PoolFull
             self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
-        write: List[int] = []
-        read: List[int] = []
-        q_seq: List[int] = []
-        q_pos: List[int] = []
-        k_seq: List[int] = []
-        k_pos: List[int] = []
-        last: List[int] = []
-        for i, (sid, n) in enumerate(new_tokens):
-            start = self.tables.lengths.get(sid, 0)
-            write += self.tables.append(sid, n)
-            total = start + n
-            read += self.tables.slots(sid)
-            q_seq += [i] * n
-            q_pos += range(start, total)
-            k_seq += [i] * total
-            k_pos += range(total)
-            last.append(len(q_pos) - 1)
+        self.batched = all(n == 1 for _, n in new_tokens)
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        self._write, self._read = as_t(write), as_t(read)
-        self.position_ids = as_t(q_pos)[None]
-        self.last_index = as_t(last)
-        qs, qp, ks, kp = as_t(q_seq), self.position_ids[0], as_t(k_seq), as_t(k_pos)
-        allowed = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
+        write: List[int] = []
+        for sid, n in new_tokens:
+            write += self.tables.append(sid, n)
+        self._write = as_t(write)
+        lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
+        if self.batched:
+            width = max(lengths)
+            read: List[int] = []
+            for sid, _ in new_tokens:
+                own = self.tables.slots(sid)
+                read += own + [own[0]] * (width - len(own))  # padding reads a real slot, masked below
+            self._read, self._shape = as_t(read), (len(new_tokens), width)
+            qp = as_t(lengths)[:, None] - 1                  # [B, 1]
+            kp = torch.arange(width, device=device)[None]    # [1, L]
+            allowed = kp <= qp                               # its own keys only: beyond its length is padding
+            self.position_ids, self.last_index = qp, None
+        else:
+            read, q_seq, q_pos, k_seq, k_pos, last = [], [], [], [], [], []
+            for i, ((sid, n), total) in enumerate(zip(new_tokens, lengths)):
+                read += self.tables.slots(sid)
+                q_seq += [i] * n
+                q_pos += range(total - n, total)
+                k_seq += [i] * total
+                k_pos += range(total)
+                last.append(len(q_pos) - 1)
+            self._read, self._shape = as_t(read), None
+            self.position_ids, self.last_index = as_t(q_pos)[None], as_t(last)
+            qs, ks, kp = as_t(q_seq), as_t(k_seq), as_t(k_pos)[None]
+            qp = self.position_ids[0][:, None]
+            allowed = (qs[:, None] == ks[None, :]) & (kp <= qp)
         masks = {}
         for kind in self.kinds:
-            ok = allowed
-            if kind == SLIDING and self.window:
-                ok = ok & (qp[:, None] - kp[None, :] < int(self.window))
-            masks[kind] = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
-                ~ok, torch.finfo(dtype).min)[None, None]
+            ok = allowed & (qp - kp < int(self.window)) if kind == SLIDING and self.window else allowed
+            m = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, torch.finfo(dtype).min)
+            masks[kind] = m[:, None, None] if self.batched else m[None, None]
         return masks if layer_types(self.config) else masks[self.kinds[0]]
 
     # ---- sequences and accounting --------------------------------------------------------

@@ -4,8 +4,10 @@ The same interface as ``running.RunningBatch`` (what ``causal_lm.CausalLMRunner.
 padded: a step is one ragged row of tokens (each running sequence's newest token, then each joining prompt
 whole), every sequence's keys and values sit in blocks of one ``kv_pool.PagedKV`` per model, a sequence that
 leaves gives its blocks back (no row selection, no column cut), and a joining one takes blocks (no
-compaction). ``step_inputs`` returns the step's ``(input_ids [1, T], attention masks, T)``; the cache then
-carries the step's positions (``position_ids``) and where each sequence's last token is (``last_index``).
+compaction). ``step_inputs`` returns the step's ``(input_ids, attention masks, new columns)``: ``[B, 1]`` for
+a decode step (every row one token), else one ragged row ``[1, T]`` (``kv_pool.PagedKV.prepare``); the cache
+then carries the step's positions (``position_ids``) and, for a ragged row, where each sequence's last token
+is (``last_index``).
 """
 from __future__ import annotations
 
@@ -80,11 +82,12 @@ class PagedBatch:
                     dtype: torch.dtype):
         """``(input_ids [1, T], mask(s), T)``: the running rows' newest tokens, then the prompts of the
         sequences ``sids`` (joining), in one row; their slots reserved in the pool."""
-        parts = [self.last] if len(self) else []
-        parts += [torch.tensor(p, dtype=torch.int64, device=device) for p in prompts]
-        ids = torch.cat(parts)[None]
         self._new = [1] * len(self) + [len(p) for p in prompts]
         mask = self.cache.prepare(list(zip(list(self.sids) + list(sids), self._new)), device, dtype)
+        parts = [self.last] if len(self) else []
+        parts += [torch.tensor(p, dtype=torch.int64, device=device) for p in prompts]
+        ids = torch.cat(parts)
+        ids = ids[:, None] if self.cache.batched else ids[None]  # a decode step's batch, else one ragged row
         return ids, mask, ids.shape[1]
 
     def token_rows(self, rows: Sequence[object]) -> List[object]:

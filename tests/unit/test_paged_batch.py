@@ -33,7 +33,8 @@ def _forward(model, ids, mask, cache) -> torch.Tensor:
     kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
     hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=cache.position_ids, use_cache=True,
                          **{kw: cache}).last_hidden_state
-    return model.get_output_embeddings()(hidden[0, cache.last_index]).float()
+    last = hidden[:, -1] if cache.last_index is None else hidden[0, cache.last_index]  # decode batch, ragged row
+    return model.get_output_embeddings()(last).float()
 
 
 def _serve(model, block_size: int, stop_early=None) -> dict:
