@@ -173,7 +173,7 @@ class PagedKV:
 
     def token_bytes(self) -> int:
         """KV bytes of one token over this rank's layers: 2 (K and V) x kv_heads x head_dim x element size."""
-        src = self.keys if self.parked is None else {i: kv[0] for i, kv in self.parked.items()}
+        src = self.keys if self.keys or not self.parked else {i: kv[0] for i, kv in self.parked.items()}
         return sum(2 * t.shape[0] * t.shape[2] * t.element_size() for t in src.values())
 
     def kv_bytes(self) -> int:
@@ -184,37 +184,41 @@ class PagedKV:
         return self.tables.block_size * self.token_bytes()
 
     # ---- preemption --------------------------------------------------------------------
-    def park(self) -> int:
-        """Copy the blocks in use (only those, renumbered to the front) to host memory and let the device
-        pool go; return the bytes copied."""
+    def park(self, copy: Optional[bool] = None) -> int:
+        """The model leaves its device: copy the blocks in use (only those, renumbered to the front) to host
+        memory (pinned) and let the device pool go. Where the pool already is in host memory (a CPU
+        "device") nothing is copied; either way the bytes of the blocks in use are returned (what a
+        device's park moves). ``copy`` forces the copy (True) or not (False) whatever the device."""
         if self.parked is not None:
             return 0
+        in_use = self.tables.used_blocks * self.block_bytes()
+        if copy is None:
+            copy = any(t.device.type != "cpu" for t in self.keys.values())
+        if not copy or not self.keys:
+            self.parked = {}
+            return in_use
         order = self.tables.renumber()
-        n = len(order) * self.tables.block_size
-        idx = None
-        moved = 0
-        self.parked = {}
+        idx = _slot_index(order, self.tables.block_size, next(iter(self.keys.values())).device)
+        cuda = idx.device.type == "cuda"
+        self.parked, moved = {}, 0
         for layer in list(self.keys):
-            k, v = self.keys.pop(layer), self.values.pop(layer)
-            if idx is None:
-                idx = _slot_index(order, self.tables.block_size, k.device)
             host = []
-            for t in (k, v):
-                h = torch.empty((t.shape[0], n, t.shape[2]), dtype=t.dtype, device="cpu",
-                                pin_memory=t.device.type == "cuda")
-                h.copy_(t.index_select(1, idx), non_blocking=True)
+            for t in (self.keys.pop(layer), self.values.pop(layer)):
+                h = torch.empty((t.shape[0], len(idx), t.shape[2]), dtype=t.dtype, device="cpu", pin_memory=cuda)
+                h.copy_(t.index_select(1, idx), non_blocking=cuda)
                 host.append(h)
                 moved += h.numel() * h.element_size()
             self.parked[layer] = tuple(host)
-        if idx is not None and idx.device.type == "cuda":
+        if cuda:
             torch.cuda.current_stream().synchronize()
         return moved
 
     def unpark(self, device: torch.device) -> int:
-        """Bring the parked blocks back into a fresh device pool (at its front); return the bytes copied."""
+        """Bring parked blocks back into a fresh device pool (at its front); return the bytes of the blocks
+        in use (nothing is copied where the pool stayed in host memory)."""
         if self.parked is None:
             return 0
-        moved = 0
+        in_use = self.tables.used_blocks * self.block_bytes()
         slots = self.tables.num_blocks * self.tables.block_size
         for layer, (k, v) in self.parked.items():
             new = []
@@ -222,10 +226,9 @@ class PagedKV:
                 d = torch.empty((t.shape[0], slots, t.shape[2]), dtype=t.dtype, device=device)
                 d[:, :t.shape[1]].copy_(t, non_blocking=True)
                 new.append(d)
-                moved += t.numel() * t.element_size()
             self.keys[layer], self.values[layer] = new
         self.parked = None
-        return moved
+        return in_use
 
 
 def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:

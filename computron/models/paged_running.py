@@ -49,10 +49,11 @@ class PagedBatch:
         return self.cache.kv_bytes()
 
     # ---- preemption ------------------------------------------------------------
-    def park(self) -> int:
+    def park(self, copy=None) -> int:
+        """Park the KV blocks in use (``kv_pool.PagedKV.park``); return their bytes."""
         if not len(self) or self.parked:
             return 0
-        return self.cache.park()
+        return self.cache.park(copy)
 
     def unpark(self, device: torch.device) -> int:
         return self.cache.unpark(device) if self.parked else 0

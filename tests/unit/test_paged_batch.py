@@ -26,7 +26,7 @@ pytestmark = pytest.mark.unit
 ADMISSIONS = {0: [[5, 9, 13, 17, 21]], 2: [list(range(30, 42)), [7, 8, 9]], 3: [list(range(40, 60))],
               5: [[11, 12]]}
 MAX_TOKENS = 6
-PARK_AT = 4  # the running sequences' KV parked in host memory after this step, restored before the next
+PARK_AT = 4  # the running sequences' KV blocks copied out (as from a device) after this step, back before the next
 
 
 def _forward(model, ids, mask, cache) -> torch.Tensor:
@@ -59,7 +59,8 @@ def _serve(model, block_size: int, stop_early=None) -> dict:
                               for s in rb.sids]))
             if step == PARK_AT:
                 used = rb.cache.tables.used_blocks
-                parked.append((rb.park(), used * rb.cache.block_bytes(), rb.kv_bytes(), rb.cache.tables.used_tokens))
+                parked.append((rb.park(copy=True), used * rb.cache.block_bytes(), rb.kv_bytes(),
+                               rb.cache.tables.used_tokens))
     assert not len(rb) and rb.cache.tables.used_blocks == 0
     return produced, parked
 
