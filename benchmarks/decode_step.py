@@ -79,14 +79,14 @@ def run(model, kind: str, prompts, steps: int, profile: bool):
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' or a computron.zoo shape (llama-tiny, ...)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a worker's default: 1)")
     p.add_argument("--profile", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load(args.model)
     gen = torch.Generator().manual_seed(0)

@@ -183,7 +183,7 @@ def summary(runs):
             "tokens": sum(r[2] for r in rows)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=16, help="completions per run")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -194,15 +194,18 @@ def main() -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="one more computron server with these EngineConfig fields (on top of --engine), measured "
                         "in the same rounds; its ratios go under variants.NAME (repeatable)")
+    p.add_argument("--vllm-url", help="use this running vLLM server (serving the same checkpoint as 'smol') "
+                                      "instead of starting one")
     p.add_argument("--venv", default=DEFAULT_VENV, help="vLLM's virtual environment (built once when missing)")
     p.add_argument("--no-install", action="store_true", help="skip where the vLLM venv is not built yet")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for each server to become ready")
     p.add_argument("--dry-run", action="store_true",
                    help="check the checkpoint file and the vLLM venv only (no install, no server), then exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     try:
         gguf_file = smollm2_gguf()
-        py = vllm_python(os.path.expanduser(args.venv), install=not (args.no_install or args.dry_run))
+        py = None if args.vllm_url else vllm_python(os.path.expanduser(args.venv),
+                                                    install=not (args.no_install or args.dry_run))
     except RuntimeError as exc:
         return skipped(str(exc))
     if args.dry_run:
@@ -231,16 +234,19 @@ def main() -> int:
                                    "--log-level", "warning"], f"http://127.0.0.1:{port}",
                                   os.path.join(work, f"{name}.log"), env, args.start_timeout)
             urls[name] = f"http://127.0.0.1:{port}"
-        theirs_port = free_port()
-        try:
-            servers["vllm"] = start([py, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--dtype",
-                                     "float32", "--served-model-name", "smol", "--port", str(theirs_port),
-                                     "--max-num-seqs", str(max(args.concurrency))],
-                                    f"http://127.0.0.1:{theirs_port}", os.path.join(work, "vllm.log"), env,
-                                    args.start_timeout)
-        except RuntimeError as exc:
-            return skipped(f"vLLM did not start: {exc}")
-        urls["vllm"] = f"http://127.0.0.1:{theirs_port}"
+        if args.vllm_url:
+            urls["vllm"] = args.vllm_url
+        else:
+            theirs_port = free_port()
+            try:
+                servers["vllm"] = start([py, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt, "--dtype",
+                                         "float32", "--served-model-name", "smol", "--port", str(theirs_port),
+                                         "--max-num-seqs", str(max(args.concurrency))],
+                                        f"http://127.0.0.1:{theirs_port}", os.path.join(work, "vllm.log"), env,
+                                        args.start_timeout)
+            except RuntimeError as exc:
+                return skipped(f"vLLM did not start: {exc}")
+            urls["vllm"] = f"http://127.0.0.1:{theirs_port}"
         for url in urls.values():  # warm-up, not counted
             asyncio.run(run_load(url, "smol", 1, 1, 8))
         out = {"bench": "peer_vllm", "model": "SmolLM2-135M-Instruct fp32", "n": args.n,
