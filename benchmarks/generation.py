@@ -67,6 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="EngineConfig.worker_threads (0 = automatic)")
     p.add_argument("--modes", default="token,request")
     p.add_argument("--policy", default="quantum", help="EngineConfig.policy of the token-level run")
+    p.add_argument("--kv-cache", choices=("dynamic", "paged"), help="EngineConfig.kv_cache (default: its default)")
 
 
 def parse_modes(text: str):
@@ -110,7 +111,8 @@ def run_mode(args, mode, ids, reqs):
     configs = [ModelConfig(mid, zoo.random_causal_lm, {"name": args.model, "seed": i, "fast_init": True})
                for i, mid in enumerate(ids)]
     config = EngineConfig(max_loaded=args.max_loaded or len(ids), max_batch_size=args.max_batch_size,
-                          step_mode=(mode == "token"), worker_threads=args.threads, policy=args.policy)
+                          step_mode=(mode == "token"), worker_threads=args.threads, policy=args.policy,
+                          **({"kv_cache": args.kv_cache} if getattr(args, "kv_cache", None) else {}))
     print(f"[{mode}] starting {len(ids)} x {args.model}, TP={args.tp} PP={args.pp}, "
           f"max_loaded={config.max_loaded}", file=sys.stderr, flush=True)
     engine = LaunchEngine(config, configs, args.tp, args.pp)

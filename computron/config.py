@@ -45,6 +45,10 @@ class EngineConfig:
     On a small shared CPU more threads than free cores make OpenMP spin against
     the master and each other (seen here: 40x slower forwards with 2 threads on 2 cores).
     """
+    pin_workers: str = "off"
+    """'auto': each worker process spawned on this host runs on cores of its own (``worker_threads`` of them,
+    counted from the last core), the first core left to the master, where the cores suffice for that
+    (``runtime/affinity.py``); 'off': the OS places them."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
@@ -62,6 +66,13 @@ class EngineConfig:
     max_step_tokens: int = 4096
     """Prompt tokens admitted (prefilled) in one step at most, so a burst of long prompts cannot stall
     the running sequences for long; a single longer prompt is still admitted alone."""
+    kv_cache: str = "dynamic"
+    """Where a causal LM keeps its running sequences' keys and values in token-level generation: 'dynamic'
+    (transformers' DynamicCache, one left-padded row per sequence, grown by a copy each step) or 'paged'
+    (``models/kv_pool.py``: fixed-size blocks of one preallocated pool per layer, a block table per sequence,
+    each step one ragged row without padding)."""
+    kv_block_size: int = 16
+    """Tokens per block of the paged KV pool (``kv_cache='paged'``)."""
     metrics_history: int = 100_000
     """How many records ``Engine.metrics()`` keeps (the oldest go first; about 1 KB each); 0 keeps all.
     ``Engine.counters()`` keeps running totals that never expire."""
@@ -151,6 +162,13 @@ class EngineConfig:
             _fail(c, "worker_threads", self.worker_threads, "must be an int >= 0 (0 = automatic)")
         if not isinstance(self.metrics_history, int) or self.metrics_history < 0:
             _fail(c, "metrics_history", self.metrics_history, "must be an int >= 0 (0 = keep all)")
+        if self.pin_workers not in ("off", "auto"):
+            _fail(c, "pin_workers", self.pin_workers, "must be 'off' or 'auto'")
+        if self.kv_cache not in ("dynamic", "paged"):
+            _fail(c, "kv_cache", self.kv_cache, "must be 'dynamic' or 'paged'")
+        if not isinstance(self.kv_block_size, int) or isinstance(self.kv_block_size, bool) \
+                or self.kv_block_size < 1:
+            _fail(c, "kv_block_size", self.kv_block_size, "must be an int >= 1")
         for name in ("step_mode",):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be True or False")

@@ -39,6 +39,11 @@ class StageContext:
     as at start-up, when every rank builds its models in the same order on its command loop), or None:
     every rank cuts its own slices out of identical full weights without communicating, as a model added
     while serving must (it is built beside steps that use the same group)."""
+    kv_cache: str = "dynamic"
+    """``EngineConfig.kv_cache``: 'dynamic' or 'paged' (``kv_block_size`` tokens per block)."""
+    kv_block_size: int = 16
+    kv_reserve: float = 0.1
+    """``EngineConfig.kv_reserve``: the paged pool starts with this fraction of the stage's weight bytes."""
 
     @property
     def layout(self):

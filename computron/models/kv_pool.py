@@ -1,0 +1,239 @@
+"""A paged KV pool: one preallocated key tensor and one value tensor per layer, cut into fixed-size blocks.
+
+Each layer's pool is ``[kv_heads, num_blocks * block_size, head_dim]``; which slots hold which sequence's
+tokens is ``sched.kv_blocks.BlockTables``' business. A step's tokens run as ONE ragged row (``[1, T]``: the
+running sequences' newest tokens and the joining prompts, concatenated, no padding): ``prepare`` reserves
+their slots and builds, once per step, the slot indices to write and to read, each token's position and the
+attention mask; the model's attention layers then call ``update`` (transformers' cache interface), which
+writes the step's keys and values into their slots (``index_copy_``, nothing else is copied into the pool)
+and returns every sequence's keys and values gathered in order; the mask (block diagonal, causal, and
+windowed for sliding-window layers) keeps each token to its own sequence's past. The attention itself stays
+the model's own (``config._attn_implementation``: sdpa, eager with soft-capping, ...), so every family that
+goes through transformers' attention interface runs unchanged.
+
+The pool grows (doubling, one copy per layer) when a step needs more blocks than are free; it starts at
+``initial_blocks``. ``park`` copies the blocks in use only (renumbered to the front of the pool) to host
+memory and frees the device pool; ``unpark`` brings them back.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..sched.kv_blocks import BlockTables
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def layer_types(config) -> Optional[Tuple[str, ...]]:
+    types = getattr(config, "layer_types", None)
+    return tuple(types) if types else None
+
+
+def mask_kinds(config) -> Tuple[str, ...]:
+    """The attention masks this config's layers use: full, sliding, or both (a mapping then)."""
+    types = layer_types(config)
+    if types:
+        return tuple(k for k in (FULL, SLIDING) if k in types)
+    window = getattr(config, "sliding_window", None)
+    return (SLIDING,) if window and getattr(config, "use_sliding_window", True) else (FULL,)
+
+
+def initial_blocks(config, tp: int, layers: int, block_size: int, budget_bytes: float, floor: int = 16) -> int:
+    """Blocks of ``block_size`` tokens that ``budget_bytes`` hold over ``layers`` layers of a rank holding
+    1/``tp`` of the KV heads (the model's formula: 2 x kv_heads x head_dim x dtype bytes per token and
+    layer), at least ``floor``."""
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    size = torch.empty((), dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32).element_size()
+    per_block = 2 * max(1, heads // max(1, tp)) * dim * size * max(1, layers) * block_size
+    return max(floor, int(budget_bytes // per_block))
+
+
+class PagedKV:
+    """The cache object a stage's forward gets in paged mode (duck-typed as transformers' ``Cache``)."""
+
+    is_compileable = False
+
+    def __init__(self, config, block_size: int = 16, initial_blocks: int = 64):
+        self.config = config
+        self.tables = BlockTables(initial_blocks, block_size)
+        self.keys: Dict[int, torch.Tensor] = {}    # layer_idx -> [kv_heads, slots, head_dim]
+        self.values: Dict[int, torch.Tensor] = {}
+        self.kinds = mask_kinds(config)
+        self.window = getattr(config, "sliding_window", None)
+        self.parked: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None
+        # one step's indices (prepare)
+        self._write: Optional[torch.Tensor] = None
+        self._read: Optional[torch.Tensor] = None
+        self._shape: Optional[Tuple[int, int]] = None  # (rows, keys per row) of a decode step's gather
+        self.batched = False
+        self.position_ids: Optional[torch.Tensor] = None
+        self.last_index: Optional[torch.Tensor] = None
+
+    # ---- transformers' Cache interface, as the models use it ------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions always come with the step (``position_ids``)
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, kwargs=None):
+        # [B, kv_heads, n, head_dim] -> [kv_heads, B * n, head_dim]: the step's tokens in row order
+        k, v = (t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[3]) for t in (key_states, value_states))
+        pool_k = self.keys.get(layer_idx)
+        if pool_k is None or pool_k.shape[1] < self.tables.num_blocks * self.tables.block_size:
+            pool_k, pool_v = self._allocate(layer_idx, k)
+        else:
+            pool_v = self.values[layer_idx]
+        pool_k.index_copy_(1, self._write, k.to(pool_k.dtype))
+        pool_v.index_copy_(1, self._write, v.to(pool_v.dtype))
+        if self._shape is None:
+            return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
+        b, width = self._shape
+        return tuple(p.index_select(1, self._read).view(p.shape[0], b, width, p.shape[2]).transpose(0, 1)
+                     for p in (pool_k, pool_v))
+
+    def _allocate(self, layer_idx: int, like: torch.Tensor):
+        """The layer's pool at the table's current size (a first allocation, or a grown copy)."""
+        slots = self.tables.num_blocks * self.tables.block_size
+        heads, _, dim = like.shape
+        new = [torch.empty((heads, slots, dim), dtype=like.dtype, device=like.device) for _ in range(2)]
+        old = (self.keys.get(layer_idx), self.values.get(layer_idx))
+        for n, o in zip(new, old):
+            if o is not None:
+                n[:, :o.shape[1]].copy_(o)
+        self.keys[layer_idx], self.values[layer_idx] = new
+        return new
+
+    # ---- one step ------------------------------------------------------------------
+    def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype):
+        """Reserve the step's slots: ``new_tokens`` is ``(sid, count)`` per sequence in row order (running
+        ones with 1, joining ones with their prompt length). Returns the attention mask (a 4D additive mask,
+        or a mapping of them by layer type where the model has several) for one of two layouts:
+
+        - a decode step (every count 1): a batch of rows ``[B, 1]``, each row's keys gathered from its
+          blocks into ``[B, kv_heads, L, head_dim]`` (``L`` the longest; the mask ``[B, 1, 1, L]`` hides
+          the rest), so attention costs what each row attends, as in a batch of the dynamic cache;
+        - any other step: ONE ragged row ``[1, T]`` of every sequence's new tokens, attending to every
+          sequence's keys concatenated ``[1, kv_heads, S, head_dim]`` through a block-diagonal causal mask
+          ``[1, 1, T, S]``.
+
+        ``self.batched`` says which; ``position_ids`` ([B, 1] or [1, T]) and ``last_index`` (None, or the
+        ragged row's index of each sequence's last token) go with it."""
+        need = sum(self.tables.blocks_needed(sid, n) for sid, n in new_tokens)
+        if need > self.tables.free_blocks:  # grown here, so that the appends below cannot raise PoolFull
+            self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
+        self.batched = all(n == 1 for _, n in new_tokens)
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        write: List[int] = []
+        for sid, n in new_tokens:
+            write += self.tables.append(sid, n)
+        self._write = as_t(write)
+        lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
+        if self.batched:
+            width = max(lengths)
+            read: List[int] = []
+            for sid, _ in new_tokens:
+                own = self.tables.slots(sid)
+                read += own + [own[0]] * (width - len(own))  # padding reads a real slot, masked below
+            self._read, self._shape = as_t(read), (len(new_tokens), width)
+            qp = as_t(lengths)[:, None] - 1                  # [B, 1]
+            kp = torch.arange(width, device=device)[None]    # [1, L]
+            allowed = kp <= qp                               # its own keys only: beyond its length is padding
+            self.position_ids, self.last_index = qp, None
+        else:
+            read, q_seq, q_pos, k_seq, k_pos, last = [], [], [], [], [], []
+            for i, ((sid, n), total) in enumerate(zip(new_tokens, lengths)):
+                read += self.tables.slots(sid)
+                q_seq += [i] * n
+                q_pos += range(total - n, total)
+                k_seq += [i] * total
+                k_pos += range(total)
+                last.append(len(q_pos) - 1)
+            self._read, self._shape = as_t(read), None
+            self.position_ids, self.last_index = as_t(q_pos)[None], as_t(last)
+            qs, ks, kp = as_t(q_seq), as_t(k_seq), as_t(k_pos)[None]
+            qp = self.position_ids[0][:, None]
+            allowed = (qs[:, None] == ks[None, :]) & (kp <= qp)
+        masks = {}
+        for kind in self.kinds:
+            ok = allowed & (qp - kp < int(self.window)) if kind == SLIDING and self.window else allowed
+            m = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, torch.finfo(dtype).min)
+            masks[kind] = m[:, None, None] if self.batched else m[None, None]
+        return masks if layer_types(self.config) else masks[self.kinds[0]]
+
+    # ---- sequences and accounting --------------------------------------------------------
+    def free(self, sids) -> None:
+        self.tables.free(sids)
+
+    def clear(self) -> None:
+        self.tables.clear()
+
+    def token_bytes(self) -> int:
+        """KV bytes of one token over this rank's layers: 2 (K and V) x kv_heads x head_dim x element size."""
+        src = self.keys if self.keys or not self.parked else {i: kv[0] for i, kv in self.parked.items()}
+        return sum(2 * t.shape[0] * t.shape[2] * t.element_size() for t in src.values())
+
+    def kv_bytes(self) -> int:
+        """Bytes of the tokens held (the model's formula times the tokens), wherever they are."""
+        return self.tables.used_tokens * self.token_bytes()
+
+    def block_bytes(self) -> int:
+        return self.tables.block_size * self.token_bytes()
+
+    # ---- preemption --------------------------------------------------------------------
+    def park(self, copy: Optional[bool] = None) -> int:
+        """The model leaves its device: copy the blocks in use (only those, renumbered to the front) to host
+        memory (pinned) and let the device pool go. Where the pool already is in host memory (a CPU
+        "device") nothing is copied; either way the bytes of the blocks in use are returned (what a
+        device's park moves). ``copy`` forces the copy (True) or not (False) whatever the device."""
+        if self.parked is not None:
+            return 0
+        in_use = self.tables.used_blocks * self.block_bytes()
+        if copy is None:
+            copy = any(t.device.type != "cpu" for t in self.keys.values())
+        if not copy or not self.keys:
+            self.parked = {}
+            return in_use
+        order = self.tables.renumber()
+        idx = _slot_index(order, self.tables.block_size, next(iter(self.keys.values())).device)
+        cuda = idx.device.type == "cuda"
+        self.parked, moved = {}, 0
+        for layer in list(self.keys):
+            host = []
+            for t in (self.keys.pop(layer), self.values.pop(layer)):
+                h = torch.empty((t.shape[0], len(idx), t.shape[2]), dtype=t.dtype, device="cpu", pin_memory=cuda)
+                h.copy_(t.index_select(1, idx), non_blocking=cuda)
+                host.append(h)
+                moved += h.numel() * h.element_size()
+            self.parked[layer] = tuple(host)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        return moved
+
+    def unpark(self, device: torch.device) -> int:
+        """Bring parked blocks back into a fresh device pool (at its front); return the bytes of the blocks
+        in use (nothing is copied where the pool stayed in host memory)."""
+        if self.parked is None:
+            return 0
+        in_use = self.tables.used_blocks * self.block_bytes()
+        slots = self.tables.num_blocks * self.tables.block_size
+        for layer, (k, v) in self.parked.items():
+            new = []
+            for t in (k, v):
+                d = torch.empty((t.shape[0], slots, t.shape[2]), dtype=t.dtype, device=device)
+                d[:, :t.shape[1]].copy_(t, non_blocking=True)
+                new.append(d)
+            self.keys[layer], self.values[layer] = new
+        self.parked = None
+        return in_use
+
+
+def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:
+    b = torch.tensor(blocks, dtype=torch.long, device=device)
+    return (b[:, None] * block_size + torch.arange(block_size, device=device)[None]).reshape(-1)
+
+
+__all__ = ["PagedKV", "initial_blocks", "mask_kinds"]

@@ -1,0 +1,125 @@
+"""A model's running sequences on one rank with their KV in a paged pool (``EngineConfig.kv_cache='paged'``).
+
+The same interface as ``running.RunningBatch`` (what ``causal_lm.CausalLMRunner.step`` calls), but nothing is
+padded: a step is one ragged row of tokens (each running sequence's newest token, then each joining prompt
+whole), every sequence's keys and values sit in blocks of one ``kv_pool.PagedKV`` per model, a sequence that
+leaves gives its blocks back (no row selection, no column cut), and a joining one takes blocks (no
+compaction). ``step_inputs`` returns the step's ``(input_ids, attention masks, new columns)``: ``[B, 1]`` for
+a decode step (every row one token), else one ragged row ``[1, T]`` (``kv_pool.PagedKV.prepare``); the cache
+then carries the step's positions (``position_ids``) and, for a ragged row, where each sequence's last token
+is (``last_index``).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .kv_pool import PagedKV
+from .sampling import SeqSampler
+
+
+class PagedBatch:
+    paged = True
+
+    def __init__(self, config, block_size: int = 16, initial_blocks: int = 64):
+        self._args = (config, block_size, initial_blocks)
+        self.cache = PagedKV(config, block_size, initial_blocks)
+        self.sids: List[int] = []
+        self.specs: Dict[int, object] = {}
+        self.counts: Dict[int, int] = {}
+        self.last: Optional[torch.Tensor] = None   # [B] the newest token of each sequence
+        self.generators: Dict[int, torch.Generator] = {}
+        self.samplers: Dict[int, SeqSampler] = {}
+        """Sampling rank: each sequence's sampling state (penalty counts, grammar matcher)."""
+        self._new: List[int] = []                  # tokens per row of the current step
+
+    @property
+    def parked(self) -> bool:
+        return self.cache.parked is not None
+
+    def __len__(self) -> int:
+        return len(self.sids)
+
+    def clear(self) -> None:
+        """Forget every sequence; the pool's tensors stay allocated (reused by the next sequences)."""
+        self.cache.clear()
+        if self.cache.parked is not None:
+            self.cache.parked = None
+        self.sids, self.specs, self.counts, self.generators, self.last = [], {}, {}, {}, None
+        self.samplers = {}
+
+    def kv_bytes(self) -> int:
+        return self.cache.kv_bytes()
+
+    # ---- preemption ------------------------------------------------------------
+    def park(self, copy=None) -> int:
+        """Park the KV blocks in use (``kv_pool.PagedKV.park``); return their bytes."""
+        if not len(self) or self.parked:
+            return 0
+        return self.cache.park(copy)
+
+    def unpark(self, device: torch.device) -> int:
+        return self.cache.unpark(device) if self.parked else 0
+
+    def generator_states(self, sids: Iterable[int]) -> Dict[int, bytes]:
+        return {s: bytes(self.generators[s].get_state().numpy().tobytes()) for s in sids if s in self.generators}
+
+    # ---- leaving -------------------------------------------------------------
+    def drop(self, sids: Iterable[int]) -> None:
+        gone = set(sids) & set(self.sids)
+        if not gone:
+            return
+        keep = [i for i, s in enumerate(self.sids) if s not in gone]
+        for s in gone:
+            self.specs.pop(s, None)
+            self.counts.pop(s, None)
+            self.generators.pop(s, None)
+            self.samplers.pop(s, None)
+        self.cache.free(gone)
+        if not keep:
+            self.sids, self.last = [], None
+            return
+        self.sids = [self.sids[i] for i in keep]
+        self.last = self.last.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.last.device))
+
+    # ---- one forward for every row ------------------------------------------
+    def step_inputs(self, prompts: List[List[int]], sids: Sequence[int], device: torch.device,
+                    dtype: torch.dtype):
+        """``(input_ids [1, T], mask(s), T)``: the running rows' newest tokens, then the prompts of the
+        sequences ``sids`` (joining), in one row; their slots reserved in the pool."""
+        self._new = [1] * len(self) + [len(p) for p in prompts]
+        mask = self.cache.prepare(list(zip(list(self.sids) + list(sids), self._new)), device, dtype)
+        parts = [self.last] if len(self) else []
+        parts += [torch.tensor(p, dtype=torch.int64, device=device) for p in prompts]
+        ids = torch.cat(parts)
+        ids = ids[:, None] if self.cache.batched else ids[None]  # a decode step's batch, else one ragged row
+        return ids, mask, ids.shape[1]
+
+    def token_rows(self, rows: Sequence[object]) -> List[object]:
+        """Per-row values (an adapter per sequence) repeated for each of the row's tokens in this step."""
+        return [r for r, n in zip(rows, self._new) for _ in range(n)]
+
+    @staticmethod
+    def shared_prefill(specs: Sequence[object]) -> Tuple[List[int], List[int]]:
+        """Every admitted sequence prefills its own row here (``RunningBatch.shared_prefill``'s shape): a copy
+        of a shared prompt's KV would be a copy of its blocks, which the pool does not share yet."""
+        return list(range(len(specs))), list(range(len(specs)))
+
+    def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask, last: torch.Tensor,
+               samplers: Optional[Dict[int, SeqSampler]] = None) -> None:
+        self.samplers.update(samplers or {})
+        for spec in specs:
+            self.sids.append(spec.sid)
+            self.specs[spec.sid] = spec
+            self.counts[spec.sid] = 0
+        for s in self.sids:
+            self.counts[s] += 1
+        self.generators.update(generators)
+        self.last = last
+
+    def ended(self, eos_hit: List[bool]) -> List[int]:
+        return [s for s, hit in zip(self.sids, eos_hit) if hit or self.counts[s] >= self.specs[s].max_tokens]
+
+
+__all__ = ["PagedBatch"]

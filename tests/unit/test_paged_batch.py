@@ -1,0 +1,103 @@
+"""The paged KV pool (``models/kv_pool.py``, ``models/paged_running.py``) driven on unsharded transformers
+models in process: prompts of mixed lengths join running sequences in one ragged row, sequences leave,
+the pool grows, parks and comes back, and every sequence's greedy tokens equal transformers' ``generate``
+of its prompt alone, for every decoder family of ``tests/family_configs.py`` (sliding windows, mixed layer
+types, soft-capping, fused projections, experts)."""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: family_configs
+
+from family_configs import FAMILIES  # noqa: E402
+
+from computron.models.paged_running import PagedBatch  # noqa: E402
+from computron.testing.zoo import reference_generate  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+# step -> prompts admitted at that step: a long prompt joins short running ones, several join at once
+ADMISSIONS = {0: [[5, 9, 13, 17, 21]], 2: [list(range(30, 42)), [7, 8, 9]], 3: [list(range(40, 60))],
+              5: [[11, 12]]}
+MAX_TOKENS = 6
+PARK_AT = 4  # the running sequences' KV blocks copied out (as from a device) after this step, back before the next
+
+
+def _forward(model, ids, mask, cache) -> torch.Tensor:
+    kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=cache.position_ids, use_cache=True,
+                         **{kw: cache}).last_hidden_state
+    last = hidden[:, -1] if cache.last_index is None else hidden[0, cache.last_index]  # decode batch, ragged row
+    return model.get_output_embeddings()(last).float()
+
+
+def _serve(model, block_size: int, stop_early=None) -> dict:
+    rb, produced, sid, parked = PagedBatch(model.config, block_size=block_size, initial_blocks=2), {}, 0, []
+    with torch.inference_mode():
+        for step in range(max(ADMISSIONS) + MAX_TOKENS + 1):
+            prompts = ADMISSIONS.get(step, [])
+            if not len(rb) and not prompts:
+                continue
+            specs = []
+            for p in prompts:
+                specs.append(SimpleNamespace(sid=sid, max_tokens=MAX_TOKENS))
+                produced[sid] = (p, [])
+                sid += 1
+            rb.unpark(torch.device("cpu"))
+            ids, mask, _ = rb.step_inputs(prompts, [s.sid for s in specs], torch.device("cpu"), torch.float32)
+            tokens = _forward(model, ids, mask, rb.cache).argmax(-1)
+            rb.joined(specs, {}, mask, tokens)
+            for s, t in zip(rb.sids, tokens.tolist()):
+                produced[s][1].append(t)
+            rb.drop(rb.ended([stop_early is not None and s == stop_early and len(produced[s][1]) == 2
+                              for s in rb.sids]))
+            if step == PARK_AT:
+                used = rb.cache.tables.used_blocks
+                parked.append((rb.park(copy=True), used * rb.cache.block_bytes(), rb.kv_bytes(),
+                               rb.cache.tables.used_tokens))
+    assert not len(rb) and rb.cache.tables.used_blocks == 0
+    return produced, parked
+
+
+def _model(family, root):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(FAMILIES[family](root)).eval()
+    model.generation_config.eos_token_id = None  # every sequence runs its MAX_TOKENS
+    return model
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f != "wide_llama"))
+def test_paged_ragged_steps_equal_generate(family, root):
+    model = _model(family, root)
+    produced, parked = _serve(model, block_size=4, stop_early=1)
+    assert len(produced) == sum(len(p) for p in ADMISSIONS.values())
+    for sid, (prompt, tokens) in produced.items():
+        want = reference_generate(model, prompt, MAX_TOKENS).tolist()  # up to its first EOS (id 2)
+        assert tokens[:len(want)] == (want[:2] if sid == 1 else want), f"{family}: sequence {sid}"
+    (moved, in_use, kv, tokens), = parked
+    assert moved == in_use > 0  # a park copies the blocks in use, nothing else
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # the model's formula (float32)
+    assert tokens > 0 and kv == tokens * per_token  # the pool accounts each token as the formula says
+
+
+def test_initial_blocks_follow_the_kv_formula():
+    from computron.models.kv_pool import initial_blocks
+    cfg = SimpleNamespace(num_key_value_heads=2, num_attention_heads=4, hidden_size=64, head_dim=None,
+                          dtype="bfloat16")
+    # per block: 2 (K, V) x 1 KV head (2 over TP=2) x 16 dims x 2 bytes x 2 layers x 4 tokens = 512 bytes
+    assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=10_000) == 19
+    assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=5_000) == 16  # the floor
