@@ -111,12 +111,14 @@ def test_sampling_controls_reach_the_engine(client):
 
 # ---- SmolLM2: structured output and tools --------------------------------------------------------------
 
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+SCHEMAS = [  # bounded (string lengths, number ranges): a small model sampling at 0.8 never runs out of tokens
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
      "required": ["name", "age"], "additionalProperties": False},
     {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
                                                  "minItems": 1, "maxItems": 3}}, "required": ["colors"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 10}},
      "required": ["ok", "score"]},
 ]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
