@@ -18,8 +18,10 @@ def run_client(proxy: RecordingProxy, client: str, fn):
     try:
         result = fn()
     except Exception as exc:
-        if proxy.refused():
-            raise AssertionError(proxy.refusals_message(client)) from exc
+        if proxy.refused():  # the client's own traceback would only hide which field was refused
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise AssertionError(f"{proxy.refusals_message(client)}\n(the client then raised "
+                                 f"{type(exc).__name__}: {first})") from None
         raise
     assert proxy.requests(), f"{client}: sent no request through the proxy"
     assert not proxy.refused(), proxy.refusals_message(client)

@@ -23,9 +23,12 @@ import os
 import pytest
 import yaml
 from client_helpers import MODEL, run_client
+from hf_reference import ReferenceScorer
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_data")
 TASKS = ("computron_gen", "computron_mc", "computron_ppl")
+TOL = 5e-3
+"""Nats, on a sum of up to 20 token logprobs of fp32 models (one token more or less is several nats)."""
 
 
 def task_configs(out_dir) -> str:
@@ -82,7 +85,7 @@ def test_lm_eval_local_completions(smol, proxy, tmp_path, task, batch_size):
     out = run_client(proxy, f"lm-eval local-completions {task} --batch_size {batch_size}",
                      lambda: lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[task],
                                                      task_manager=manager, batch_size=batch_size, bootstrap_iters=0,
-                                                     log_samples=False, cache_requests=False))
+                                                     log_samples=True, cache_requests=False))
     results = out["results"][task]
     for name, (lo, hi) in METRICS[task].items():
         value = results[f"{name},none"]
@@ -94,5 +97,18 @@ def test_lm_eval_local_completions(smol, proxy, tmp_path, task, batch_size):
         assert max(len(b["prompt"]) for b in bodies) == batch_size, bodies
     if task == "computron_gen":
         assert all(len(b["stop"]) == 5 and b["max_tokens"] == 8 for b in bodies), bodies
-    else:
-        assert all(b["echo"] is True and b["logprobs"] == 1 and b["max_tokens"] == 1 for b in bodies), bodies
+        return
+    assert all(b["echo"] is True and b["logprobs"] == 1 and b["max_tokens"] == 1 for b in bodies), bodies
+    # the loglikelihoods lm-eval summed from the echoed prompt logprobs are transformers' own
+    ref = ReferenceScorer(tokenizer_dir)
+    for sample in out["samples"][task]:
+        if task == "computron_mc":
+            for (context, continuation), ((ll, _greedy),) in zip(sample["arguments"], sample["resps"]):
+                want = ref.continuation(context, continuation)
+                assert abs(ll - want) <= TOL, (context, continuation, ll, want)
+        else:
+            ((text,),), ((ll,),) = sample["arguments"], sample["resps"]
+            sent = [p for b in bodies for p in b["prompt"] if p[1:] == ref.encode(text)]
+            assert len(sent) == 1, (text, bodies)  # one window: the prefix token, then the text's tokens
+            want = ref.logprob(sent[0], 1)
+            assert abs(ll - want) <= TOL, (text, ll, want)
