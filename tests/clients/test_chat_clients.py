@@ -10,8 +10,9 @@ What each sends (besides model, messages, temperature 0 and max_completion_token
   ``tool_choice`` + ``parallel_tool_calls: false``;
 - LangChain's legacy ``OpenAI().batch``: one ``/v1/completions`` request, ``prompt`` a list of two strings, with
   ``logprobs: null``, ``n: 1``, ``seed: null``, ``presence_penalty`` / ``frequency_penalty`` 0, ``top_p`` 1;
-- instructor TOOLS: ``tools`` + a named ``tool_choice``; JSON: ``response_format`` {"type": "json_object"}
-  and the schema in a system message;
+- instructor TOOLS: ``tools`` + a named ``tool_choice``; JSON_SCHEMA: ``response_format`` {"type":
+  "json_schema", "json_schema": {"name", "schema"}} (no ``strict``); JSON: ``response_format`` {"type":
+  "json_object"} and the schema in a system message (only this one relies on the model to follow the schema);
 - openai-agents: ``POST /v1/responses`` with ``input`` (a list of messages), ``instructions``,
   ``max_output_tokens``, ``tools: []``, ``include: []``.
 """
@@ -56,7 +57,7 @@ def test_langchain_legacy_completions_batch(proxy):
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("mode", ["TOOLS", "JSON"])
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA", "JSON"])
 def test_instructor(proxy, mode):
     person = run_client(proxy, f"instructor Mode.{mode}", lambda: instructor_extract(proxy.url, mode))
     assert isinstance(person, Person), person
