@@ -21,7 +21,7 @@ from chat_clients import (Person, agents_run, instructor_extract, langchain_bind
                           langchain_structured)
 from client_helpers import run_client
 
-TIMEOUT = 300
+TIMEOUT = 900  # the first test of a run also waits for the GGUF conversion (minutes on a busy machine)
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -33,7 +33,7 @@ def run_guidellm(args, timeout):
     return proc.returncode, out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the first test of a run also waits for the GGUF conversion
 @pytest.mark.parametrize("request_format", ["/v1/chat/completions", "/v1/completions"])
 def test_guidellm_synthetic_benchmark(smol, proxy, tmp_path, request_format):
     _, tokenizer_dir = smol

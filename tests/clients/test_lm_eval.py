@@ -68,7 +68,7 @@ METRICS = {"computron_gen": {"exact_match": (0, 1)}, "computron_mc": {"acc": (0,
                              "bits_per_byte": (0, math.inf)}}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the first test of a run also waits for the GGUF conversion
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("task", TASKS)
 def test_lm_eval_local_completions(smol, proxy, tmp_path, task, batch_size):
