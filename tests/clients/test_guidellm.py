@@ -48,8 +48,13 @@ def test_guidellm_synthetic_benchmark(smol, proxy, tmp_path, request_format):
     bench = json.loads(report.read_text())["benchmarks"]
     assert len(bench) == 1, out[-4000:]
     totals = bench[0]["metrics"]["request_totals"]
-    assert totals == {"successful": REQUESTS, "errored": 0, "incomplete": 0, "total": REQUESTS}, totals
+    # every request counted succeeded; on a busy machine guidellm 0.8.1 may end a max_requests run before it
+    # counts the last answer (seen once: 3 answered 200, 2 counted, none errored or incomplete)
+    ok = totals["successful"]
+    assert REQUESTS - 1 <= ok <= REQUESTS and totals == {"successful": ok, "errored": 0, "incomplete": 0,
+                                                         "total": ok}, totals
     produced = bench[0]["metrics"]["output_token_count"]["successful"]
-    assert produced["count"] == REQUESTS and produced["total_sum"] == REQUESTS * OUTPUT_TOKENS, produced  # ignore_eos
+    assert produced["count"] == ok and produced["total_sum"] == ok * OUTPUT_TOKENS, produced  # ignore_eos
     sent = proxy.requests(request_format)
-    assert len(sent) == REQUESTS and all(x.body.get("ignore_eos") is True for x in sent), [x.body for x in sent]
+    assert len(sent) == REQUESTS and all(x.status == 200 and x.body.get("ignore_eos") is True for x in sent), \
+        [(x.status, x.body) for x in sent]
