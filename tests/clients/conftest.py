@@ -6,10 +6,12 @@ Every test here runs a client nobody in this project wrote, to completion, and f
 any of its requests, listing each refused request (status, the server's error message, the request's fields)."""
 import os
 
+import psutil
 import pytest
 from client_helpers import MODEL, OFFLINE
 from client_proxy import RecordingProxy
 from serve_helpers import ServerProcess
+
 
 def _cache_dir(tmp_path_factory) -> str:
     """The GGUF conversion cache of the whole run (as tests/conftest.py's ``gguf_cache``, module-scoped)."""
@@ -30,8 +32,16 @@ def smol(smollm2_gguf, tmp_path_factory):
             mp.setenv(k, v)
         mp.setenv("COMPUTRON_CACHE_DIR", _cache_dir(tmp_path_factory))
         converted = gguf.convert(smollm2_gguf)  # once per run (a lock makes other workers wait)
-        server = ServerProcess(str(tmp_path_factory.mktemp("clients")), {MODEL: smollm2_gguf},
-                               startup_timeout=600)
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            server = ServerProcess(str(tmp_path_factory.mktemp("clients")), {MODEL: smollm2_gguf},
+                                   startup_timeout=600)
+        except BaseException:  # also pytest-timeout's Failed during start-up: no server left behind
+            for p in me.children(recursive=True):
+                if p.pid not in before:
+                    p.kill()
+            raise
     try:
         yield server, converted
     finally:
