@@ -1,16 +1,13 @@
 """Starting the engine: spawn mode (we start the workers) and attach mode (torchrun started us).
 
-Spawn mode: the calling process becomes the master, one extra rank after the ``tp * pp`` workers, which
-it starts from multiprocessing's fork server (``worker_start.worker_context``). Each worker reports
-ready or its start-up traceback over a pipe; the master waits on those pipes and on the processes'
-sentinels together, so a worker that dies during start-up fails the launch at once. Workers die with
-the master (a watcher thread on the parent's sentinel, PR_SET_PDEATHSIG, ``worker.master_watch``).
-
-Attach mode (``RANK``/``WORLD_SIZE`` set by torchrun or ``colossalai run``): global rank 0 hosts the master
-next to worker 0 and returns the engine; the other ranks serve until shutdown and return None.
-
-Each process's own set-up (logging, threads, device, the rendezvous) is in ``process_setup.py``; where the
-master's replies go before and after the engine exists, in ``reply_router.py``."""
+Spawn mode: the calling process becomes the master, one extra rank after the ``tp * pp`` workers, which it
+starts from multiprocessing's fork server (``worker_start.worker_context``). Each worker reports ready or its
+start-up traceback over a pipe; the master waits on those pipes and on the processes' sentinels together, so a
+worker that dies during start-up fails the launch at once. Workers die with the master (a watcher thread on the
+parent's sentinel, PR_SET_PDEATHSIG, ``worker.master_watch``). Attach mode (``RANK``/``WORLD_SIZE`` set by
+torchrun or ``colossalai run``): global rank 0 hosts the master next to worker 0 and returns the engine; the
+other ranks serve until shutdown and return None. Each process's set-up: ``process_setup.py`` (logging, threads,
+device, rendezvous), ``affinity.py`` (cores); where the master's replies go: ``reply_router.py``."""
 from __future__ import annotations
 
 import atexit
