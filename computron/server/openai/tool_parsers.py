@@ -15,6 +15,7 @@ reading of its chat template, else ``hermes``.
 """
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -64,25 +65,28 @@ def call_of(obj: Any, keys: Tuple[str, ...] = ("arguments", "parameters")) -> Op
     return None if text is None else ToolCall(obj["name"], text)
 
 
-class ToolStream:
+class ToolStream(abc.ABC):
     """One answer's text, a piece at a time: ``push`` returns the events it completes, ``finish`` the rest."""
 
+    @abc.abstractmethod
     def push(self, piece: str) -> List[Event]:
-        raise NotImplementedError
+        """The events ``piece`` completes (text to show, finished tool calls)."""
 
+    @abc.abstractmethod
     def finish(self) -> List[Event]:
-        raise NotImplementedError
+        """The events left when the answer ends."""
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     name = ""
 
+    @abc.abstractmethod
     def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
         """(content, calls) of a whole answer."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stream(self) -> ToolStream:
-        raise NotImplementedError
+        """A parser of one answer streamed a piece at a time."""
 
 
 def _joined(events: List[Event]) -> Tuple[str, List[ToolCall]]:
