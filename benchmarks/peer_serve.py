@@ -38,30 +38,32 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(cmd, url, log_path, env):
+def start(cmd, url, log_path, env, timeout_s: float = 300):
+    """Start a server in a session of its own (its workers stopped with it); return once /health answers."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # a server's readiness is only visible over HTTP: poll it
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}; see {log_path}")
+            log.close()
+            raise RuntimeError(f"{cmd[1:4]} exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, log
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.5)
     stop(proc, log)
-    raise TimeoutError(f"{cmd[:3]} not ready in 300 s; see {log_path}")
+    raise TimeoutError(f"{cmd[1:4]} not ready in {timeout_s} s; see {log_path}")
 
 
 def stop(proc, log):
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     log.close()
 

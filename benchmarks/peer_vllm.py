@@ -29,13 +29,14 @@ import asyncio
 import importlib.util
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_serve import free_port, start, stop  # noqa: E402 - this folder's
 
 PROMPTS = [
     "The history of the printing press begins in",
@@ -95,42 +96,6 @@ def vllm_python(venv: str, install: bool) -> str:
         raise RuntimeError(f"vllm does not import in {venv}: {(check.stderr.strip().splitlines() or ['?'])[-1]}")
     open(os.path.join(venv, READY), "w").write(check.stdout)
     return py
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd, url, log_path, env, timeout_s):
-    import httpx
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:  # a server's readiness is only visible over HTTP: poll it
-        if proc.poll() is not None:
-            log.close()
-            raise RuntimeError(f"{cmd[1:4]} exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, log
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop(proc, log)
-    raise RuntimeError(f"{cmd[1:4]} not ready in {timeout_s} s; see {log_path}")
-
-
-def stop(proc, log):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    log.close()
 
 
 async def run_load(url: str, model: str, concurrency: int, n: int, max_tokens: int):

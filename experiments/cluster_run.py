@@ -76,20 +76,24 @@ def fit_costs(records, mean_prompt: float, max_loaded: int, n_models: int, max_b
                        "load_disk_s": "= load_host_s (no disk tier in this run)"}}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def trace_arguments(ap: argparse.ArgumentParser, model: str, duration: float, duration_help: str) -> None:
+    """The groups, models and trace options this experiment and ``cluster_trace.py`` share."""
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--models", type=int, default=4)
-    ap.add_argument("--model", default="opt-small", help="zoo shape of every model (default opt-small)")
+    ap.add_argument("--model", default=model, help=f"zoo shape of every model (default {model})")
     ap.add_argument("--max-loaded", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second, all models together")
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--cv", type=float, default=1.0)
-    ap.add_argument("--duration", type=float, default=120.0,
-                    help="seconds of arrivals (~230 requests at 2/s: a p99 that is not one request)")
+    ap.add_argument("--duration", type=float, default=duration, help=duration_help)
     ap.add_argument("--mean-tokens", type=float, default=16.0)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    trace_arguments(ap, "opt-small", 120.0, "seconds of arrivals (~230 requests at 2/s: a p99 that is not one request)")
     ap.add_argument("--router", default="swap-aware", choices=["swap-aware", "round-robin"])
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--out", default=None)

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cluster_run import _loads, make_trace  # noqa: E402
+from cluster_run import _loads, make_trace, trace_arguments  # noqa: E402
 
 from computron.cluster.offline import fewest_loads, idle_while_queued  # noqa: E402
 from computron.cluster.policy import SwapAwareRouter  # noqa: E402
@@ -48,17 +48,7 @@ class RecordingRouter(SwapAwareRouter):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--models", type=int, default=4)
-    ap.add_argument("--model", default="opt-tiny", help="zoo shape of every model (default opt-tiny)")
-    ap.add_argument("--max-loaded", type=int, default=1)
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--rate", type=float, default=2.0, help="requests per second, all models together")
-    ap.add_argument("--zipf", type=float, default=1.0)
-    ap.add_argument("--cv", type=float, default=1.0)
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
-    ap.add_argument("--mean-tokens", type=float, default=16.0)
-    ap.add_argument("--seed", type=int, default=0)
+    trace_arguments(ap, "opt-tiny", 30.0, "seconds of arrivals")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--out", default=None, help="also write the JSON document here")
     args = ap.parse_args(argv)

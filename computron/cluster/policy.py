@@ -40,6 +40,7 @@ Every ``route`` looks at each group once (no per-model scan), so its cost grows 
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Collection, Dict, FrozenSet, List, Mapping, Optional
 
@@ -133,7 +134,7 @@ class _Group:
         return 2 if m in s.host else 3
 
 
-class Router:
+class Router(abc.ABC):
     """What every router shares: pushes with stale ones ignored, the groups' queue estimates, finish."""
 
     def __init__(self, n_groups: int):
@@ -183,12 +184,13 @@ class Router:
         self._now = max(self._now, now)
         return g.state.group
 
+    @abc.abstractmethod
     def route(self, model_id: str, tokens: int, now: float, exclude: Collection[int] = ()) -> int:
-        raise NotImplementedError
+        """The group a request of ``tokens`` tokens for ``model_id`` goes to (none of ``exclude``)."""
 
+    @abc.abstractmethod
     def replicas(self, model_id: str) -> List[int]:
         """The groups this router currently sends ``model_id`` to."""
-        raise NotImplementedError
 
     def expected_wait(self, group: int) -> float:
         """Seconds the group needs to drain what it holds, as the router estimates it."""

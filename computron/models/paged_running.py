@@ -16,30 +16,22 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .kv_pool import PagedKV
+from .running import SequenceBook
 from .sampling import SeqSampler
 
 
-class PagedBatch:
+class PagedBatch(SequenceBook):
     paged = True
 
     def __init__(self, config, block_size: int = 16, initial_blocks: int = 64):
+        super().__init__()
         self._args = (config, block_size, initial_blocks)
         self.cache = PagedKV(config, block_size, initial_blocks)
-        self.sids: List[int] = []
-        self.specs: Dict[int, object] = {}
-        self.counts: Dict[int, int] = {}
-        self.last: Optional[torch.Tensor] = None   # [B] the newest token of each sequence
-        self.generators: Dict[int, torch.Generator] = {}
-        self.samplers: Dict[int, SeqSampler] = {}
-        """Sampling rank: each sequence's sampling state (penalty counts, grammar matcher)."""
         self._new: List[int] = []                  # tokens per row of the current step
 
     @property
     def parked(self) -> bool:
         return self.cache.parked is not None
-
-    def __len__(self) -> int:
-        return len(self.sids)
 
     def clear(self) -> None:
         """Forget every sequence; the pool's tensors stay allocated (reused by the next sequences)."""
@@ -62,20 +54,11 @@ class PagedBatch:
     def unpark(self, device: torch.device) -> int:
         return self.cache.unpark(device) if self.parked else 0
 
-    def generator_states(self, sids: Iterable[int]) -> Dict[int, bytes]:
-        return {s: bytes(self.generators[s].get_state().numpy().tobytes()) for s in sids if s in self.generators}
-
     # ---- leaving -------------------------------------------------------------
     def drop(self, sids: Iterable[int]) -> None:
-        gone = set(sids) & set(self.sids)
+        gone, keep = self._forget(sids)
         if not gone:
             return
-        keep = [i for i, s in enumerate(self.sids) if s not in gone]
-        for s in gone:
-            self.specs.pop(s, None)
-            self.counts.pop(s, None)
-            self.generators.pop(s, None)
-            self.samplers.pop(s, None)
         self.cache.free(gone)
         if not keep:
             self.sids, self.last = [], None
@@ -117,9 +100,6 @@ class PagedBatch:
             self.counts[s] += 1
         self.generators.update(generators)
         self.last = last
-
-    def ended(self, eos_hit: List[bool]) -> List[int]:
-        return [s for s, hit in zip(self.sids, eos_hit) if hit or self.counts[s] >= self.specs[s].max_tokens]
 
 
 __all__ = ["PagedBatch"]

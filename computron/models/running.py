@@ -35,22 +35,48 @@ def _layers(cache):
     return list(getattr(cache, "layers", ()))
 
 
-class RunningBatch:
+class SequenceBook:
+    """What a running batch knows of its sequences, whatever holds their KV (``RunningBatch`` here, the paged
+    pool's ``paged_running.PagedBatch``): ids in row order, specs, tokens generated, generators, samplers."""
+
     def __init__(self):
         self.sids: List[int] = []
         self.specs: Dict[int, object] = {}
         self.counts: Dict[int, int] = {}
-        self.mask: Optional[torch.Tensor] = None   # [B, L] int64
-        self.cache = None                          # transformers DynamicCache, one row per sequence
         self.last: Optional[torch.Tensor] = None   # [B] the newest token of each sequence
         self.generators: Dict[int, torch.Generator] = {}
         self.samplers: Dict[int, SeqSampler] = {}
         """Sampling rank: each sequence's sampling state (penalty counts, grammar matcher)."""
-        self.parked = False
-        """True while the KV caches sit in host memory (the model was preempted and offloaded)."""
 
     def __len__(self) -> int:
         return len(self.sids)
+
+    def generator_states(self, sids: Iterable[int]) -> Dict[int, bytes]:
+        return {s: bytes(self.generators[s].get_state().numpy().tobytes()) for s in sids if s in self.generators}
+
+    def _forget(self, sids: Iterable[int]) -> Tuple[set, List[int]]:
+        """``(gone, keep)``: the running sequences among ``sids``, forgotten, and the rows that stay."""
+        gone = set(sids) & set(self.sids)
+        for s in gone:
+            self.specs.pop(s, None)
+            self.counts.pop(s, None)
+            self.generators.pop(s, None)
+            self.samplers.pop(s, None)
+        return gone, [i for i, s in enumerate(self.sids) if s not in gone]
+
+    def ended(self, eos_hit: List[bool]) -> List[int]:
+        """Sequences whose newest token ended them (an EOS, a stop id, a complete grammar: the sampling
+        rank's verdict) or that reached their max_tokens."""
+        return [s for s, hit in zip(self.sids, eos_hit) if hit or self.counts[s] >= self.specs[s].max_tokens]
+
+
+class RunningBatch(SequenceBook):
+    def __init__(self):
+        super().__init__()
+        self.mask: Optional[torch.Tensor] = None   # [B, L] int64
+        self.cache = None                          # transformers DynamicCache, one row per sequence
+        self.parked = False
+        """True while the KV caches sit in host memory (the model was preempted and offloaded)."""
 
     def clear(self) -> None:
         self.__init__()
@@ -93,20 +119,11 @@ class RunningBatch:
         self.parked = False
         return self.kv_bytes()
 
-    def generator_states(self, sids: Iterable[int]) -> Dict[int, bytes]:
-        return {s: bytes(self.generators[s].get_state().numpy().tobytes()) for s in sids if s in self.generators}
-
     # ---- leaving -------------------------------------------------------------
     def drop(self, sids: Iterable[int]) -> None:
-        gone = set(sids) & set(self.sids)
+        gone, keep = self._forget(sids)
         if not gone:
             return
-        keep = [i for i, s in enumerate(self.sids) if s not in gone]
-        for s in gone:
-            self.specs.pop(s, None)
-            self.counts.pop(s, None)
-            self.generators.pop(s, None)
-            self.samplers.pop(s, None)
         if not keep:
             self.clear()
             return
@@ -210,11 +227,6 @@ class RunningBatch:
             kv_idx = idx.to(layer.keys.device)[:, None, :, None].expand(b, h, width, d)
             layer.keys = layer.keys.gather(2, kv_idx)
             layer.values = layer.values.gather(2, kv_idx)
-
-    def ended(self, eos_hit: List[bool]) -> List[int]:
-        """Sequences whose newest token ended them (an EOS, a stop id, a complete grammar: the sampling
-        rank's verdict) or that reached their max_tokens."""
-        return [s for s, hit in zip(self.sids, eos_hit) if hit or self.counts[s] >= self.specs[s].max_tokens]
 
     # ---- sequences with the same prompt share one prefill row ------------------
     @staticmethod
