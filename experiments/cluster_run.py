@@ -91,6 +91,25 @@ def trace_arguments(ap: argparse.ArgumentParser, model: str, duration: float, du
     ap.add_argument("--seed", type=int, default=0)
 
 
+def models_trace_and_ray(args):
+    """``(model ids, their ModelConfigs, the trace, whether Ray was started here)`` of ``trace_arguments``'
+    options: ``--models`` random ``--model`` LMs, one trace over them, and Ray joined or started."""
+    from computron import ModelConfig, zoo
+    from computron.batching.causal_lm import CausalLMBatchManager
+    from computron.cluster.serve import init_ray
+    hf = zoo.hf_config(args.model)
+    models = [f"m{i}" for i in range(args.models)]
+    bm = CausalLMBatchManager(max_batch_size=args.max_batch, pad_token_id=hf.pad_token_id, eos_token_id=None,
+                              vocab_size=hf.vocab_size, max_positions=hf.max_position_embeddings)
+    configs = [ModelConfig(m, zoo.random_causal_lm, {"name": args.model, "seed": i, "fast_init": True},
+                           batch_manager=bm) for i, m in enumerate(models)]
+    trace = make_trace(models, args.rate, args.zipf, args.cv, args.duration, args.mean_tokens, hf.vocab_size,
+                       args.seed)
+    started_ray = init_ray(args.ray_address, **({} if args.ray_address else
+                                                 {"num_cpus": 2 * args.groups, "include_dashboard": False}))
+    return models, configs, trace, started_ray
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     trace_arguments(ap, "opt-small", 120.0, "seconds of arrivals (~230 requests at 2/s: a p99 that is not one request)")
@@ -102,19 +121,9 @@ def main(argv=None) -> dict:
     args.out = args.out or workload.results_path("cluster_run", "cluster_run.json")
     workload.check_outputs(ap, args.publish, args.out)
 
-    from computron import EngineConfig, ModelConfig, zoo
-    from computron.cluster.serve import init_ray, start_cluster
-    from computron.batching.causal_lm import CausalLMBatchManager
-    hf = zoo.hf_config(args.model)
-    models = [f"m{i}" for i in range(args.models)]
-    bm = CausalLMBatchManager(max_batch_size=args.max_batch, pad_token_id=hf.pad_token_id, eos_token_id=None,
-                              vocab_size=hf.vocab_size, max_positions=hf.max_position_embeddings)
-    configs = [ModelConfig(m, zoo.random_causal_lm, {"name": args.model, "seed": i, "fast_init": True},
-                           batch_manager=bm) for i, m in enumerate(models)]
-    trace = make_trace(models, args.rate, args.zipf, args.cv, args.duration, args.mean_tokens, hf.vocab_size,
-                       args.seed)
-    started_ray = init_ray(args.ray_address, **({} if args.ray_address else
-                                                 {"num_cpus": 2 * args.groups, "include_dashboard": False}))
+    from computron import EngineConfig
+    from computron.cluster.serve import start_cluster
+    models, configs, trace, started_ray = models_trace_and_ray(args)
     import ray
     print(f"[cluster_run] {args.groups} groups x {len(models)} {args.model}, {len(trace)} requests over "
           f"{args.duration:.0f}s, router {args.router}", file=sys.stderr, flush=True)

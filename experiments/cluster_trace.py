@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cluster_run import _loads, make_trace, trace_arguments  # noqa: E402
+from cluster_run import _loads, models_trace_and_ray, trace_arguments  # noqa: E402
 
 from computron.cluster.offline import fewest_loads, idle_while_queued  # noqa: E402
 from computron.cluster.policy import SwapAwareRouter  # noqa: E402
@@ -53,19 +53,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="also write the JSON document here")
     args = ap.parse_args(argv)
 
-    from computron import EngineConfig, ModelConfig, zoo
-    from computron.batching.causal_lm import CausalLMBatchManager
-    from computron.cluster.serve import init_ray, start_cluster
-    hf = zoo.hf_config(args.model)
-    models = [f"m{i}" for i in range(args.models)]
-    bm = CausalLMBatchManager(max_batch_size=args.max_batch, pad_token_id=hf.pad_token_id, eos_token_id=None,
-                              vocab_size=hf.vocab_size, max_positions=hf.max_position_embeddings)
-    configs = [ModelConfig(m, zoo.random_causal_lm, {"name": args.model, "seed": i, "fast_init": True},
-                           batch_manager=bm) for i, m in enumerate(models)]
-    trace = make_trace(models, args.rate, args.zipf, args.cv, args.duration, args.mean_tokens, hf.vocab_size,
-                       args.seed)
-    started_ray = init_ray(args.ray_address, **({} if args.ray_address else
-                                                 {"num_cpus": 2 * args.groups, "include_dashboard": False}))
+    from computron import EngineConfig
+    from computron.cluster.serve import start_cluster
+    models, configs, trace, started_ray = models_trace_and_ray(args)
     import ray
     router = RecordingRouter(args.groups)
     cluster = start_cluster(EngineConfig(max_loaded=args.max_loaded, max_batch_size=args.max_batch), configs,

@@ -11,13 +11,12 @@ is (``last_index``).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
 from .kv_pool import PagedKV
 from .running import SequenceBook
-from .sampling import SeqSampler
 
 
 class PagedBatch(SequenceBook):
@@ -88,18 +87,6 @@ class PagedBatch(SequenceBook):
         """Every admitted sequence prefills its own row here (``RunningBatch.shared_prefill``'s shape): a copy
         of a shared prompt's KV would be a copy of its blocks, which the pool does not share yet."""
         return list(range(len(specs))), list(range(len(specs)))
-
-    def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask, last: torch.Tensor,
-               samplers: Optional[Dict[int, SeqSampler]] = None) -> None:
-        self.samplers.update(samplers or {})
-        for spec in specs:
-            self.sids.append(spec.sid)
-            self.specs[spec.sid] = spec
-            self.counts[spec.sid] = 0
-        for s in self.sids:
-            self.counts[s] += 1
-        self.generators.update(generators)
-        self.last = last
 
 
 __all__ = ["PagedBatch"]

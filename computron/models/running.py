@@ -64,6 +64,20 @@ class SequenceBook:
             self.samplers.pop(s, None)
         return gone, [i for i, s in enumerate(self.sids) if s not in gone]
 
+    def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask, last: torch.Tensor,
+               samplers: Optional[Dict[int, SeqSampler]] = None) -> None:
+        """After a step's forward: ``specs`` join (their generators and samplers with them), every row has
+        generated one more token, ``last`` holds each row's newest (``mask`` is the KV holder's)."""
+        self.samplers.update(samplers or {})
+        for spec in specs:
+            self.sids.append(spec.sid)
+            self.specs[spec.sid] = spec
+            self.counts[spec.sid] = 0
+        for s in self.sids:
+            self.counts[s] += 1
+        self.generators.update(generators)
+        self.last = last
+
     def ended(self, eos_hit: List[bool]) -> List[int]:
         """Sequences whose newest token ended them (an EOS, a stop id, a complete grammar: the sampling
         rank's verdict) or that reached their max_tokens."""
@@ -203,15 +217,8 @@ class RunningBatch(SequenceBook):
     def joined(self, specs: List[object], generators: Dict[int, torch.Generator], mask: torch.Tensor,
                last: torch.Tensor, samplers: Optional[Dict[int, SeqSampler]] = None) -> None:
         """After a step's forward: the new rows' sequences join, every row has its newest token."""
-        self.samplers.update(samplers or {})
-        for spec in specs:
-            self.sids.append(spec.sid)
-            self.specs[spec.sid] = spec
-            self.counts[spec.sid] = 0
-        for s in self.sids:
-            self.counts[s] += 1
-        self.generators.update(generators)
-        self.mask, self.last = mask, last
+        super().joined(specs, generators, mask, last, samplers)
+        self.mask = mask
         if specs and len(self) > len(specs):
             self.compact()
 
