@@ -1,4 +1,4 @@
-"""CPU Linears of a few rows: ``F.linear`` against the weight-first product of ``computron.models.cpu_linear``.
+"""CPU Linears: ``F.linear`` against the packed and the weight-first products of ``computron.models.cpu_linear``.
 
 Prints exactly one JSON line on stdout; progress goes to stderr.
 
@@ -7,11 +7,13 @@ alternating, medians of ``--repeats``:
 
 - ``chain``: for each intra-op thread count of ``--threads`` and each row count of ``--rows``, one pass of
   activations of that many rows through every Linear of the model, the LM head included (distinct weights,
-  so that they stream from memory as in a forward), by ``F.linear`` and by ``cpu_linear.weight_first``
-  (forced, whatever ``cpu_linear.linear``'s rule would pick); ``ratio`` is weight-first / ``F.linear``;
+  so that they stream from memory as in a forward), by ``F.linear``, by ``cpu_linear.weight_first``
+  (forced, whatever ``cpu_linear.linear``'s rule would pick) and on weights packed for oneDNN (packed before
+  the timing: a load packs once); ``ratio`` is weight-first / ``F.linear``, ``packed_ratio`` packed / ``F.linear``;
 - ``decode``: at the largest thread count, a prefill of ``--prompt`` tokens and greedy decode steps of 1
-  and of ``--batch`` sequences through the whole model, its Linears plain (``F.linear``) and then swapped by
-  ``use_few_row_kernel`` (the engine's CPU path); ``same_tokens``: both picked the same greedy tokens.
+  and of ``--batch`` sequences through the whole model, its Linears plain (``F.linear``), swapped by
+  ``use_cpu_kernels(pack=False)`` (weight-first for a few rows) and by ``use_cpu_kernels(pack=True)`` (the
+  engine's CPU default); ``same_tokens``: all three picked the same greedy tokens.
 
     .venv/bin/python benchmarks/cpu_linear.py            # opt-125m, threads 1 and 2 (about a minute)
     .venv/bin/python benchmarks/cpu_linear.py --quick    # opt-tiny (the tests' path)
@@ -67,10 +69,14 @@ def chain(linears, rows: int, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from computron.models.cpu_linear import weight_first
+    from computron.models.cpu_linear import PACK_ROWS, packing_available, weight_first
     xs = [torch.randn(rows, lin.in_features) for lin in linears]
     forms = {"f_linear": lambda: [F.linear(x, lin.weight, lin.bias) for x, lin in zip(xs, linears)],
              "weight_first": lambda: [weight_first(x, lin.weight, lin.bias) for x, lin in zip(xs, linears)]}
+    if packing_available():
+        packs = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACK_ROWS) for lin in linears]
+        forms["packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, lin.bias, "none", [], "")
+                                   for x, p, lin in zip(xs, packs, linears)]
     times = {name: [] for name in forms}
     with torch.no_grad():
         for name, fn in forms.items():
@@ -80,6 +86,8 @@ def chain(linears, rows: int, repeats: int) -> dict:
                 times[name].append(median_ms(fn, 1))
     out = {name: float(np.median(ts)) for name, ts in times.items()}
     out["ratio"] = out["weight_first"] / out["f_linear"]
+    if "packed" in out:
+        out["packed_ratio"] = out["packed"] / out["f_linear"]
     return out
 
 
@@ -110,34 +118,38 @@ def generate(model, batch: int, prompt: int, steps: int):
 
 
 def decode(model, args) -> dict:
-    """Prefill and decode steps with plain Linears and with the few-row kernel, alternating."""
+    """Prefill and decode steps with plain Linears, weight-first and packed ones, alternating."""
     import torch
     from torch import nn
 
-    from computron.models.cpu_linear import FewRowLinear, use_few_row_kernel
+    from computron.models.cpu_linear import FewRowLinear, use_cpu_kernels
     linears = [m for m in model.modules() if type(m) in (nn.Linear, FewRowLinear)]
 
     def plain():
         for m in linears:
             m.__class__ = nn.Linear
 
+    variants = {"f_linear": plain, "weight_first": lambda: use_cpu_kernels(model, pack=False),
+                "packed": lambda: use_cpu_kernels(model, pack=True)}
     out, tokens = {}, {}
     for batch in (1, args.batch):
-        rows = {"f_linear": {"prefill_ms": [], "step_ms": []}, "few_row_kernel": {"prefill_ms": [], "step_ms": []}}
+        rows = {name: {"prefill_ms": [], "step_ms": []} for name in variants}
         for _ in range(args.repeats):
-            for name, setup in (("f_linear", plain), ("few_row_kernel", lambda: use_few_row_kernel(model))):
+            for name, setup in variants.items():
                 setup()
                 prefill_ms, step_ms, toks = generate(model, batch, args.prompt, args.steps)
                 rows[name]["prefill_ms"].append(prefill_ms)
                 rows[name]["step_ms"].append(step_ms)
                 tokens.setdefault(name, {})[batch] = toks
         res = {name: {k: float(np.median(v)) for k, v in r.items()} for name, r in rows.items()}
-        res["step_ratio"] = res["few_row_kernel"]["step_ms"] / res["f_linear"]["step_ms"]
-        res["prefill_ratio"] = res["few_row_kernel"]["prefill_ms"] / res["f_linear"]["prefill_ms"]
+        for name in ("weight_first", "packed"):
+            res[f"{name}_step_ratio"] = res[name]["step_ms"] / res["f_linear"]["step_ms"]
+            res[f"{name}_prefill_ratio"] = res[name]["prefill_ms"] / res["f_linear"]["prefill_ms"]
         out[str(batch)] = res
         log(f"  decode batch {batch}: {res}")
     plain()
-    out["same_tokens"] = all(torch.equal(toks, tokens["few_row_kernel"][b]) for b, toks in tokens["f_linear"].items())
+    out["same_tokens"] = all(torch.equal(toks, tokens[name][b]) for b, toks in tokens["f_linear"].items()
+                             for name in ("weight_first", "packed"))
     return out
 
 

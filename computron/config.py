@@ -49,6 +49,10 @@ class EngineConfig:
     """'auto': each worker process spawned on this host runs on cores of its own (``worker_threads`` of them,
     counted from the last core), the first core left to the master, where the cores suffice for that
     (``runtime/affinity.py``); 'off': the OS places them."""
+    pack_cpu_linears: bool = True
+    """CPU workers run their models' Linears on weights packed once per load for oneDNN (``models/cpu_linear.py``:
+    0.55-0.9x the time of ``F.linear`` from 1 to 256 rows), at the cost of the Linear weights' bytes once more
+    while a model is resident; False keeps ``F.linear`` (and the weight-first product for a few rows)."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
@@ -164,6 +168,8 @@ class EngineConfig:
             _fail(c, "metrics_history", self.metrics_history, "must be an int >= 0 (0 = keep all)")
         if self.pin_workers not in ("off", "auto"):
             _fail(c, "pin_workers", self.pin_workers, "must be 'off' or 'auto'")
+        if not isinstance(self.pack_cpu_linears, bool):
+            _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True or False")
         if self.kv_cache not in ("dynamic", "paged"):
             _fail(c, "kv_cache", self.kv_cache, "must be 'dynamic' or 'paged'")
         if not isinstance(self.kv_block_size, int) or isinstance(self.kv_block_size, bool) \

@@ -23,12 +23,12 @@ def __getattr__(name):
 
 
 def make_runner(module, model_config, ctx):
-    """The runner of ``module``'s kind, holding this rank's shard of it (on a CPU, its plain Linears
-    computing few rows weight-first: ``cpu_linear``)."""
+    """The runner of ``module``'s kind, holding this rank's shard of it (on a CPU, its Linears on packed
+    weights where ``ctx.pack_linears``, else computing few rows weight-first: ``cpu_linear``)."""
     runner = _runner_of_kind(module, model_config, ctx)
     if ctx.device.type == "cpu":
-        from .cpu_linear import use_few_row_kernel
-        use_few_row_kernel(module)
+        from .cpu_linear import use_cpu_kernels
+        use_cpu_kernels(module, pack=ctx.pack_linears)
     return runner
 
 

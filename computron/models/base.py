@@ -44,6 +44,8 @@ class StageContext:
     kv_block_size: int = 16
     kv_reserve: float = 0.1
     """``EngineConfig.kv_reserve``: the paged pool starts with this fraction of the stage's weight bytes."""
+    pack_linears: bool = True
+    """``EngineConfig.pack_cpu_linears``: a CPU rank's Linears run on weights packed for oneDNN."""
 
     @property
     def layout(self):
@@ -92,6 +94,12 @@ class StageRunner(abc.ABC):
     def host_kv_bytes(self) -> int:
         """KV caches this runner parked in host memory."""
         return 0
+
+    def release_resident(self) -> int:
+        """The model left the device: drop what was derived from its resident weights (packed CPU weights);
+        returns the bytes released."""
+        from .cpu_linear import release_packs
+        return release_packs(self.module)
 
     @abc.abstractmethod
     def run(self, batch: Any, weights_ready: Callable[[], None]) -> Optional[Any]:

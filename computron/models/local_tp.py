@@ -18,8 +18,8 @@ load). Entries of any other kind, a pattern, or a module that is no plain Linear
 so does the whole plan where one of its entries may hand a DTensor on.
 Inputs and outputs are what the hooks made of them: a column-parallel Linear takes the whole input and
 returns its slice of the output features, a row-parallel one takes its slice of the input features and
-returns the whole output. Their matmul is ``cpu_linear.linear``'s (``F.linear`` but for a few rows on a
-multi-threaded CPU).
+returns the whole output. Their matmul is ``cpu_linear.linear``'s (``F.linear``, but on a packed weight or,
+for a few rows on a multi-threaded CPU, weight-first).
 """
 from __future__ import annotations
 
@@ -35,9 +35,12 @@ from . import cpu_linear
 class ColumnParallelLinear(nn.Linear):
     """A Linear whose weight (and bias) are split by output features: its slice of the outputs."""
 
+    uses_cpu_linear = True
+    pack_weights = False
+
     def forward(self, x):
         bias = self.bias
-        return cpu_linear.linear(x, local_tensor(self.weight), None if bias is None else local_tensor(bias))
+        return cpu_linear.linear(x, local_tensor(self.weight), None if bias is None else local_tensor(bias), self)
 
 
 class RowParallelLinear(nn.Linear):
@@ -45,9 +48,11 @@ class RowParallelLinear(nn.Linear):
     (the partial products summed over ``tp_group``, the bias, whole on every rank, added once)."""
 
     tp_group = None
+    uses_cpu_linear = True
+    pack_weights = False
 
     def forward(self, x):
-        y = cpu_linear.linear(x, local_tensor(self.weight))
+        y = cpu_linear.linear(x, local_tensor(self.weight), holder=self)
         dist.all_reduce(y, group=self.tp_group)
         if self.bias is not None:
             y = y + local_tensor(self.bias)

@@ -282,6 +282,7 @@ class Worker(ModelChanges, HostTier):
         runner = self.runners[cmd.model_id]
         parked = runner.park_running(cmd.recompute) if isinstance(runner, GenerativeRunner) else ParkResult()
         store.offload()
+        runner.release_resident()
         if cmd.model_id in self.lora:  # adapters stay in host memory; their device slots go with the base
             self.lora[cmd.model_id].drop_device()
         self.channel.reply(msg.Offloaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,

@@ -404,9 +404,10 @@ def test_tp_forward_benchmark_quick_path():
 
 @pytest.mark.timeout(300)
 def test_cpu_linear_benchmark_quick_path():
-    """benchmarks/cpu_linear.py at opt-tiny: both forms timed at each thread count and row count, the ratios are
-    those of the times it reports, the swapped Linears pick the plain ones' greedy tokens, and the script gives
-    back the threads it set."""
+    """benchmarks/cpu_linear.py at opt-tiny: every form timed at each thread count and row count, the ratios are
+    those of the times it reports, the swapped (weight-first and packed) Linears pick the plain ones' greedy
+    tokens, and the script gives back the threads it set."""
+    from computron.models.cpu_linear import packing_available
     import torch
     before = torch.get_num_threads()
     doc, _ = run_main(os.path.join(ROOT, "benchmarks", "cpu_linear.py"), "--quick")
@@ -416,11 +417,15 @@ def test_cpu_linear_benchmark_quick_path():
     for per_rows in doc["chain"].values():
         for c in per_rows.values():
             assert c["f_linear"] > 0 and c["ratio"] == pytest.approx(c["weight_first"] / c["f_linear"])
+            assert ("packed_ratio" in c) == packing_available()
+            if packing_available():
+                assert c["packed_ratio"] == pytest.approx(c["packed"] / c["f_linear"])
     dec = doc["decode"]
     assert dec["threads"] == 2 and dec["same_tokens"] is True
     for batch in ("1", str(dec["batch"])):
         row = dec[batch]
-        assert row["step_ratio"] == pytest.approx(row["few_row_kernel"]["step_ms"] / row["f_linear"]["step_ms"])
+        for name in ("weight_first", "packed"):
+            assert row[f"{name}_step_ratio"] == pytest.approx(row[name]["step_ms"] / row["f_linear"]["step_ms"])
 
 
 @pytest.mark.timeout(300)

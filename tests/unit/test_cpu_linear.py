@@ -1,13 +1,15 @@
-"""CPU Linears of a few rows (``models/cpu_linear.py``): the weight-first product equals ``F.linear`` to float
-rounding in every shape it takes, ``linear`` picks it only where its rule says, and the class swap keeps
-the modules, their hooks and what they compute."""
+"""CPU Linears (``models/cpu_linear.py``): the packed and the weight-first products equal ``F.linear`` to float
+rounding in every shape they take, ``linear`` picks them only where its rules say, a packed weight is made
+once per load and again when the weight changes, and the class swap keeps the modules, their hooks and what
+they compute."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from computron.models import cpu_linear
-from computron.models.cpu_linear import FewRowLinear, linear, use_few_row_kernel, weight_first
+from computron.models.cpu_linear import (FewRowLinear, linear, packed_bytes, packing_available, release_packs,
+                                        use_cpu_kernels, weight_first)
 
 
 @pytest.fixture
@@ -67,7 +69,8 @@ def test_swap_keeps_modules_hooks_and_outputs_and_skips_subclasses(threads):
     first, x = net[0], torch.randn(4, 16)
     with torch.no_grad():
         want = net(x)
-    assert use_few_row_kernel(net) == 2
+    assert use_cpu_kernels(net, pack=False) == 2
+    assert not any(getattr(m, "pack_weights", False) for m in net.modules())
     assert net[0] is first and type(net[0]) is FewRowLinear and type(net[2]) is FewRowLinear
     assert type(net[3]) is Custom
     with torch.no_grad():
@@ -88,8 +91,9 @@ class OneRank:
 
 
 def test_a_cpu_runner_swaps_its_linears_and_generates_what_plain_linears_do(threads, tmp_path):
-    """``make_runner`` on a CPU device swaps the model's Linears; greedy generation of a padded batch (a
-    prefill of 4 x 6 rows, decode steps of 4) with two threads gives the plain model's tokens."""
+    """``make_runner`` on a CPU device swaps the model's Linears to packed ones; greedy generation of a padded
+    batch (a prefill of 4 x 6 rows, decode steps of 4) with two threads gives the plain model's tokens, and
+    ``release_resident`` (the model leaves) drops every packed weight."""
     from computron import ModelConfig, zoo
     from computron.models import StageContext, make_runner
     threads(2)
@@ -105,6 +109,61 @@ def test_a_cpu_runner_swaps_its_linears_and_generates_what_plain_linears_do(thre
     runner = make_runner(model, ModelConfig("m", zoo.load_causal_lm, {"path": path}), ctx)
     linears = [m for m in runner.module.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is FewRowLinear for m in linears)
+    assert all(m.pack_weights == packing_available() for m in linears)
     with torch.no_grad():
         got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
     assert torch.equal(got, want)
+    held = packed_bytes(runner.module)
+    assert held == (sum(m.weight.numel() * 4 for m in linears) if packing_available() else 0)
+    assert runner.release_resident() == held and packed_bytes(runner.module) == 0
+
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed Linear")
+
+
+def _packed_linear(out_f, in_f, bias=True):
+    lin = nn.Linear(in_f, out_f, bias=bias)
+    use_cpu_kernels(lin, pack=True)
+    return lin
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (9, 48), (100, 48), (3, 5, 48), (0, 48)])
+def test_packed_equals_f_linear_in_every_shape(shape, bias, threads):
+    threads(1)
+    torch.manual_seed(len(shape) + shape[0])
+    lin, x = _packed_linear(96, 48, bias), torch.randn(*shape)
+    with torch.no_grad():
+        out = lin(x)
+        assert packed_bytes(lin) == 96 * 48 * 4
+        torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        strided = torch.randn(shape[0], 96)[:, ::2]  # a non-contiguous input
+        torch.testing.assert_close(lin(strided), F.linear(strided, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_pack_is_made_once_and_again_when_the_weight_changes():
+    lin, x = _packed_linear(32, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        lin(x)
+        first = lin.__dict__["_computron_packed"][1]
+        lin(x)
+        assert lin.__dict__["_computron_packed"][1] is first       # reused
+        lin.weight.mul_(2)                                          # in place: its version moves
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.data = torch.randn(32, 16)                       # another buffer: its pointer moves
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert release_packs(lin) == 32 * 16 * 4 and release_packs(lin) == 0
+
+
+@needs_onednn
+def test_packing_stays_out_of_autograd_and_of_other_dtypes():
+    lin = _packed_linear(32, 16)
+    out = lin(torch.randn(4, 16))                 # gradients on: F.linear, differentiable
+    assert out.grad_fn is not None and packed_bytes(lin) == 0
+    lin64 = _packed_linear(32, 16).double()
+    with torch.no_grad():
+        x = torch.randn(4, 16, dtype=torch.float64)
+        torch.testing.assert_close(lin64(x), F.linear(x, lin64.weight, lin64.bias))
+    assert packed_bytes(lin64) == 0
