@@ -6,19 +6,19 @@ the weight in its stored layout at every call and spreads the work poorly over t
 
 Packed (the default where torch has oneDNN and the weight is float32): the first call after a load lays the
 weight out once in oneDNN's blocked format (``torch.ops.mkldnn._reorder_linear_weight``), and every call then
-runs oneDNN's matmul on it (``_linear_pointwise``), as vLLM's CPU backend does. One layout serves any
-``M``: it is laid out for ``PACK_ROWS`` rows and was measured faster than ``F.linear`` from 1 to 256 rows.
-Every Linear of SmolLM2-135M (30 layers and the 49152-token LM head) took, with one thread, 39 ms packed
-against 44-47 ms by ``F.linear`` for one row, 41 against 74 for 8 rows, 135 against 184 for 48 and 675
-against 793 for 256 (``benchmarks/cpu_linear.py``). The packed copy costs the Linear weights' bytes once
-more while the model is resident (``release_packs`` drops it when the model leaves; a changed weight, as a
-reload into another buffer or in place, is packed again). It is kept on the module (``pack_weights``), not
-in its state.
+runs oneDNN's matmul on it (``_linear_pointwise``), as vLLM's CPU backend does. One layout, made for
+``PACK_ROWS`` rows, serves any row count. A pass through every Linear of opt-125m took 0.42-0.87x the time of
+``F.linear`` with one thread and 0.34-0.65x with two, from 1 to 64 rows; with two threads a decode step of 8
+sequences went from 78 to 33 ms, of one from 42 to 31 ms, a 16-token prefill of 8 from 222 to 142 ms
+(``benchmarks/cpu_linear.py``, ``benchmarks/data/cpu_linear_cpu_2026-12-04.json``). The packed copy costs the
+Linear weights' bytes once more while the model is resident (``release_packs`` drops it when the model
+leaves; a changed weight, as a reload into another buffer or in place, is packed again). It is kept on the
+module, not in its state.
 
 Weight-first (where packing is off or unavailable): with more than one intra-op thread and
 ``2 <= M <= MAX_ROWS``, ``(W @ x^T)^T`` (the bias added by the same ``addmm``), returned contiguous as
-``F.linear`` would; on this 2-core machine that took 0.36-0.75x as long as ``x @ W^T`` for opt-125m's
-Linears at 2 to 64 rows. Everywhere else, and on every other device, it is ``F.linear``. Either way the sums
+``F.linear`` would; in the same run, with two threads, that took 0.39-1.07x as long as ``x @ W^T`` for
+opt-125m's Linears at 2 to 64 rows (most at 2 and 4). Everywhere else, and on every other device, it is ``F.linear``. Either way the sums
 are the same products in another order: results agree with ``F.linear`` to float rounding, as a batched row
 already differs from the same row computed alone.
 
@@ -37,7 +37,7 @@ MAX_ROWS = 64
 """The most rows computed weight-first: the largest row count measured; a longer prefill keeps ``F.linear``."""
 
 PACK_ROWS = 16
-"""The row count the packed layout is made for (4 to 16 measured alike; 64 lost at one row)."""
+"""The row count oneDNN lays a packed weight out for: a decode batch's size (any row count runs on it)."""
 
 _PACK = "_computron_packed"
 
