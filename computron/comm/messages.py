@@ -85,6 +85,9 @@ class SeqSpec:
     generated: int = 0
     """A resumed sequence: how many of ``prompt``'s last tokens were generated before it was paused (the
     penalties count them as generated, the grammar has accepted them, ``min_tokens`` counts them)."""
+    chunk: int = 0
+    """Chunked prefill (paged KV): prefill only the prompt's first ``chunk`` tokens in the joining step, the
+    rest in later steps' ``Step.fill``; 0: the whole prompt now."""
 
     @property
     def has_controls(self) -> bool:
@@ -110,6 +113,9 @@ class Step:
     admit: Tuple[SeqSpec, ...] = ()
     drop: Tuple[int, ...] = ()
     prefill_apart: bool = False
+    fill: Tuple[Tuple[int, int], ...] = ()
+    """Chunked prefill: ``(sid, tokens)`` of sequences part-way through their prompt that prefill their next
+    ``tokens`` prompt tokens in this step (none of them is sampled until its prompt is complete)."""
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,8 @@ class Catalog:
         if (self._config.step_mode and not self._config.paper_mode and isinstance(bm, CausalLMBatchManager)
                 and batching is not None):
             self._token_level.add_model(key, TokenBatch(bm, bm.max_batch_size, self._config.max_step_tokens,
-                                                        self._config.max_loras))
+                                                        self._config.max_loras,
+                                                        chunked=self._config.kv_cache == "paged"))
         elif isinstance(bm, CausalLMBatchManager):
             bm.request_level = True  # whole batches per command: no per-sequence sampling controls
 

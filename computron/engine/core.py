@@ -73,8 +73,8 @@ class Engine(EngineViews, HostModelsControl):
         self._tracker = CommandTracker(self.n_workers, channel)
         token_batches = {}
         if config.step_mode and not paper:
-            token_batches = {m: TokenBatch(bm, bm.max_batch_size, config.max_step_tokens, config.max_loras)
-                             for m, bm in self._batch_managers.items()
+            token_batches = {m: TokenBatch(bm, bm.max_batch_size, config.max_step_tokens, config.max_loras,
+                                           chunked=config.kv_cache == "paged") for m, bm in self._batch_managers.items()
                              if isinstance(bm, CausalLMBatchManager) and self._batching_info(m) is not None}
         self._token_level = TokenLevel(token_batches, self._requests, self._tracker, self._telemetry,
                                        self._sched, config.kv_swap, self.n_workers, workers[0].device)

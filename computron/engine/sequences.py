@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from ..batching.base import SubmitEntry
 from ..comm.messages import SeqSpec
 from ..errors import RequestTimeoutError
+from .chunking import StepBudget
 from .protocol import PromptLogprobs, TokenLogprob
 
 END = object()
@@ -128,8 +129,19 @@ class Cancelled(enum.Enum):
 class TokenBatch:
     """One model's sequences under token-level generation, as the master sees them."""
 
-    def __init__(self, batch_manager, max_batch_size: int, max_step_tokens: int, max_adapters: int = 1 << 30):
+    def __init__(self, batch_manager, max_batch_size: int, max_step_tokens: int, max_adapters: int = 1 << 30,
+                 chunked: bool = False):
         self.bm = batch_manager
+        self.chunked = chunked
+        """Chunked prefill (paged KV): a prompt over what is left of the step's budget is prefilled in chunks
+        over several steps (``chunking``) instead of waiting or going whole."""
+        self.filling: Dict[int, Tuple[int, int]] = {}
+        """Running sequences part-way through their prompt: sid -> (prompt tokens sent so far, prompt length),
+        oldest first."""
+        self.fill: Tuple[Tuple[int, int], ...] = ()
+        """The chunks of ``filling`` sequences that the step ``next_step`` chose continues (``Step.fill``)."""
+        self.step_tokens = 0
+        """Prompt tokens the step ``next_step`` chose prefills."""
         self.max_batch_size = max_batch_size
         self.max_step_tokens = max_step_tokens
         self.max_adapters = max_adapters
@@ -165,7 +177,7 @@ class TokenBatch:
 
     def contexts(self) -> Dict[int, int]:
         """Tokens in each running sequence's KV cache (prompt + generated)."""
-        return {sid: len(r.spec.prompt) + len(r.tokens) for sid, r in self.running.items()}
+        return {sid: self.filling.get(sid, (len(r.spec.prompt) + len(r.tokens),))[0] for sid, r in self.running.items()}
 
     def on_step_done(self, sids, tokens, ended, logprobs=(), prompt_logprobs=None) -> List[Request]:
         """Hand each sequence its new token (and its logprobs, where asked); return those that ended,
@@ -177,7 +189,7 @@ class TokenBatch:
         done = []
         for i, (sid, token) in enumerate(zip(sids, tokens)):
             req = self.running.get(sid) or paused.get(sid)
-            if req is None:
+            if req is None or sid in self.filling:
                 continue  # cancelled while this step ran; the workers drop it next step
             req.push([token], [logprobs[i]] if logprobs else None, prompt_logprobs.get(sid))
             if sid in ended:
@@ -198,6 +210,7 @@ class TokenBatch:
         """The model was preempted: ``recompute`` lose their KV cache, the others are parked with it."""
         for sid in recompute:
             req = self.running.pop(sid)
+            self.filling.pop(sid, None)  # its prefill starts again when it is recomputed
             self.to_recompute.append(req)
         for req in list(self.running.values()) + list(self.to_recompute):
             req.preemptions += 1
@@ -208,24 +221,37 @@ class TokenBatch:
         spec = req.spec
         return dataclasses.replace(spec, prompt=spec.prompt + tuple(req.tokens),
                                    max_tokens=spec.max_tokens - len(req.tokens), gen_state=req.gen_state,
-                                   generated=spec.generated + len(req.tokens))
+                                   generated=spec.generated + len(req.tokens), chunk=0)
 
     def next_step(self, queue: Deque[SubmitEntry], requests: Dict[int, Request]) -> Tuple[list, tuple, list]:
         """Choose what the next step admits (oldest first, up to the batch size and the prompt-token
-        budget; a longer prompt alone still goes) and drops. Also returns ``[(uid, error)]`` for
-        requests that cannot become a sequence (a batch manager that let a bad field through)."""
-        admit, rejected, budget = [], [], self.max_step_tokens
+        budget; a longer prompt alone still goes, or, ``chunked``, a chunk of it) and drops; ``fill`` and
+        ``step_tokens`` then say which sequences mid-prefill continue and how many prompt tokens run. Also
+        returns ``[(uid, error)]`` for requests that cannot become a sequence (a batch manager that let a
+        bad field through)."""
+        admit, rejected, fill = [], [], []
+        budget = StepBudget(self.max_step_tokens, len(self.running) - len(self.filling) if self.chunked else 0)
         now = time.perf_counter()
         self.paused_since = None
-        while self.to_recompute and len(self.running) < self.max_batch_size \
-                and (not admit or budget > 0):
+        for sid, (sent, length) in list(self.filling.items()):
+            n = budget.grant(length - sent)
+            if not n:
+                break
+            fill.append((sid, n))
+            if sent + n < length:
+                self.filling[sid] = (sent + n, length)
+            else:
+                del self.filling[sid]
+        while self.to_recompute and len(self.running) < self.max_batch_size:
+            spec = self.resume_spec(self.to_recompute[0])
+            spec = self._join(spec, budget, resume=True)
+            if spec is None:
+                break
             req = self.to_recompute.popleft()
-            spec = self.resume_spec(req)
-            budget -= len(spec.prompt)
             self.running[spec.sid] = req
             admit.append(spec)
         adapters = {r.adapter for r in list(self.running.values()) + list(self.to_recompute)} - {None}
-        while queue and len(self.running) < self.max_batch_size:
+        while queue and len(self.running) < self.max_batch_size and not self.to_recompute:
             entry = queue[0]
             req = requests[entry.uid]
             if req.adapter is not None and req.adapter not in adapters and len(adapters) >= self.max_adapters:
@@ -238,15 +264,35 @@ class TokenBatch:
                 continue
             if req.adapter is not None:
                 spec = dataclasses.replace(spec, adapter=req.adapter)
-                adapters.add(req.adapter)
-            if admit and len(spec.prompt) > budget:
+            joining = self._join(spec, budget)
+            if joining is None:
                 break
+            if req.adapter is not None:
+                adapters.add(req.adapter)
             queue.popleft()
-            budget -= len(spec.prompt)
             req.spec, req.admitted = spec, now
             self.running[spec.sid] = req
-            admit.append(spec)
+            admit.append(joining)
+        self.fill = tuple(fill)
+        self.step_tokens = sum(n for _, n in fill) + sum(a.chunk or len(a.prompt) for a in admit)
         return admit, self.take_drops(), rejected
+
+    def _join(self, spec: SeqSpec, budget: StepBudget, resume: bool = False) -> Optional[SeqSpec]:
+        """``spec`` as it joins this step (a first chunk only, where chunked), or None: it waits."""
+        length = len(spec.prompt)
+        if not self.chunked:  # unchunked: a recompute goes while any budget is left, a longer prompt alone
+            if budget.prefills and (budget.left <= 0 if resume else length > budget.left):
+                return None
+            budget.left -= length
+            budget.prefills += 1
+            return spec
+        n = budget.grant(length, chunkable=spec.prompt_logprobs is None)
+        if not n:
+            return None
+        if n < length:
+            self.filling[spec.sid] = (n, length)
+            return dataclasses.replace(spec, chunk=n)
+        return spec
 
     def take_drops(self) -> Tuple[int, ...]:
         drop = tuple(sorted(self.to_drop))
@@ -257,6 +303,7 @@ class TokenBatch:
         """Forget a sequence: where it was (``Cancelled``), or None if it is none of this batch's. One the
         workers still hold is dropped there at the next step (or by a Drop command while the model is away)."""
         if self.running.pop(uid, None) is not None:
+            self.filling.pop(uid, None)
             self.to_drop.add(uid)
             return Cancelled.ON_WORKERS
         for req in self.to_recompute:
@@ -270,6 +317,7 @@ class TokenBatch:
         out = list(self.running.values()) + list(self.to_recompute)
         self.running.clear()
         self.to_recompute.clear()
+        self.filling.clear()
         return out
 
     def abandon(self) -> Tuple[List[Request], Tuple[int, ...]]:

@@ -75,9 +75,9 @@ class TokenLevel:
                               self._sched.sizes.get(model_id, 0), self._device_type)
         pending = self._tracker.send(
             CommandKind.STEP, model_id,
-            lambda seq: msg.Step(seq, model_id, admit=tuple(admit), drop=drop, prefill_apart=apart),
+            lambda seq: msg.Step(seq, model_id, admit=tuple(admit), drop=drop, prefill_apart=apart, fill=tb.fill),
             start=t0, uids=tuple(tb.running), admitted=len(admit), dropped=len(drop),
-            prompt_tokens=sum(len(a.prompt) for a in admit))
+            prompt_tokens=tb.step_tokens)
         pending.master_s = time.perf_counter() - t0
 
     def complete_step(self, p: PendingCommand, now: float, error: Optional[str]) -> None:

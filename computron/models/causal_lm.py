@@ -305,10 +305,15 @@ class CausalLMRunner(GenerativeRunner):
         restored = rb.unpark(dev)
         t_restore = time.perf_counter() - t_restore
         n_run, admit = len(rb), list(cmd.admit)
-        if not n_run and not admit:  # only drops (every rank knows): nothing to run or to agree on
+        paged = getattr(rb, "paged", False)  # one ragged row: no padding, so never a forward apart
+        if paged:  # uniq: a spec per prefill row (a chunk, or a whole prompt); admit: those complete now
+            uniq, prompts, admit, share = rb.pieces(admit, cmd.fill)
+        else:
+            firsts, share = rb.shared_prefill(admit)
+            uniq = [admit[i] for i in firsts]
+            prompts = [list(a.prompt) for a in uniq]
+        if not n_run and not uniq:  # only drops (every rank knows): nothing to run or to agree on
             return StepResult(kv_restored_bytes=restored, kv_restore_s=t_restore)
-        firsts, share = rb.shared_prefill(admit)
-        uniq = [admit[i] for i in firsts]
         scored = {share[i] for i, a in enumerate(admit) if a.prompt_logprobs is not None and not a.generated}
         score = {j: len(uniq[j].prompt) for j in sorted(scored)}
         picked = torch.empty(2, n_run + len(admit), dtype=torch.int64, device=dev)  # tokens, ends
@@ -318,8 +323,7 @@ class CausalLMRunner(GenerativeRunner):
             weights_ready()
         except Exception as exc:  # noqa: BLE001
             failed, err = True, exc
-        prompts, pad = [list(a.prompt) for a in uniq], int(self.batching_defaults().pad_token_id)
-        paged = getattr(rb, "paged", False)  # one ragged row: no padding, so never a forward apart
+        pad = int(self.batching_defaults().pad_token_id)
         apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit and not paged)
         if paged:
             ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype())
@@ -362,7 +366,7 @@ class CausalLMRunner(GenerativeRunner):
                                         g.layout.output_rank, g.data) or failed:
             rb.clear()
             raise err if err is not None else p2p.UpstreamFailed("the last pipeline stage failed")
-        if len(uniq) < len(admit):
+        if not paged and len(uniq) < len(admit):
             if apart:
                 new_mask = rb.copy_rows(new_cache, new_mask, share)
             else:

@@ -11,7 +11,7 @@ is (``last_index``).
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,9 @@ class PagedBatch(SequenceBook):
         self._args = (config, block_size, initial_blocks)
         self.cache = PagedKV(config, block_size, initial_blocks)
         self._new: List[int] = []                  # tokens per row of the current step
+        self.filling: Dict[int, Tuple[object, int]] = {}
+        """Chunked prefill: sequences part-way through their prompt, apart from the running (decoding) ones:
+        sid -> (spec, prompt tokens in the pool). They have blocks but no row, token or sampler yet."""
 
     @property
     def parked(self) -> bool:
@@ -38,7 +41,7 @@ class PagedBatch(SequenceBook):
         if self.cache.parked is not None:
             self.cache.parked = None
         self.sids, self.specs, self.counts, self.generators, self.last = [], {}, {}, {}, None
-        self.samplers = {}
+        self.samplers, self.filling = {}, {}
 
     def kv_bytes(self) -> int:
         return self.cache.kv_bytes()
@@ -46,7 +49,7 @@ class PagedBatch(SequenceBook):
     # ---- preemption ------------------------------------------------------------
     def park(self, copy=None) -> int:
         """Park the KV blocks in use (``kv_pool.PagedKV.park``); return their bytes."""
-        if not len(self) or self.parked:
+        if not (len(self) or self.filling) or self.parked:
             return 0
         return self.cache.park(copy)
 
@@ -55,6 +58,11 @@ class PagedBatch(SequenceBook):
 
     # ---- leaving -------------------------------------------------------------
     def drop(self, sids: Iterable[int]) -> None:
+        sids = set(sids)
+        filling = sids & set(self.filling)
+        for s in filling:
+            del self.filling[s]
+        self.cache.free(filling)
         gone, keep = self._forget(sids)
         if not gone:
             return
@@ -66,6 +74,25 @@ class PagedBatch(SequenceBook):
         self.last = self.last.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.last.device))
 
     # ---- one forward for every row ------------------------------------------
+    def pieces(self, admit: Sequence[object], fill: Sequence[Tuple[int, int]]):
+        """The step's prefill rows under chunked prefill: ``(specs, prompts, complete, rows)`` with one spec
+        and one token list per row (the ``fill`` chunks of sequences mid-prefill, then the joining ones: whole,
+        or the first ``spec.chunk`` tokens), the specs whose prompt completes in this step (sampled, they join
+        the running rows) and each one's row. Sequences left mid-prefill wait in ``filling``."""
+        specs, prompts, complete, rows = [], [], [], []
+        steps = [(self.filling[sid][0], self.filling[sid][1], n) for sid, n in fill]
+        steps += [(a, 0, a.chunk or len(a.prompt)) for a in admit]
+        for spec, at, n in steps:
+            specs.append(spec)
+            prompts.append(list(spec.prompt[at:at + n]))
+            if at + n < len(spec.prompt):
+                self.filling[spec.sid] = (spec, at + n)
+                continue
+            self.filling.pop(spec.sid, None)
+            complete.append(spec)
+            rows.append(len(specs) - 1)
+        return specs, prompts, complete, rows
+
     def step_inputs(self, prompts: List[List[int]], sids: Sequence[int], device: torch.device,
                     dtype: torch.dtype):
         """``(input_ids [1, T], mask(s), T)``: the running rows' newest tokens, then the prompts of the
