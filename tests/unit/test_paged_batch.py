@@ -101,3 +101,22 @@ def test_initial_blocks_follow_the_kv_formula():
     # per block: 2 (K, V) x 1 KV head (2 over TP=2) x 16 dims x 2 bytes x 2 layers x 4 tokens = 512 bytes
     assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=10_000) == 19
     assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=5_000) == 16  # the floor
+
+
+def test_chunked_prefill_rows_and_a_filling_sequence_dropped_frees_its_blocks():
+    """``PagedBatch.pieces``: a prompt prefilled over steps holds blocks but no row until it is complete."""
+    rb = PagedBatch(SimpleNamespace(), block_size=4, initial_blocks=2)
+    long = SimpleNamespace(sid=1, prompt=tuple(range(10)), chunk=4, max_tokens=3)
+    short = SimpleNamespace(sid=2, prompt=(5, 6), chunk=0, max_tokens=3)
+    specs, prompts, complete, rows = rb.pieces([long, short], ())
+    assert prompts == [[0, 1, 2, 3], [5, 6]] and complete == [short] and rows == [1]
+    rb.step_inputs(prompts, [s.sid for s in specs], torch.device("cpu"), torch.float32)
+    assert rb.cache.tables.lengths == {1: 4, 2: 2} and rb.cache.last_index.tolist() == [3, 5]
+    rb.joined(complete, {}, None, torch.tensor([9]))
+    assert rb.sids == [2] and set(rb.filling) == {1}
+    specs, prompts, complete, rows = rb.pieces([], [(1, 5)])
+    assert prompts == [list(range(4, 9))] and complete == [] and rb.filling[1][1] == 9
+    rb.step_inputs(prompts, [1], torch.device("cpu"), torch.float32)
+    assert rb.cache.tables.lengths[1] == 9 and rb.cache.position_ids.tolist() == [[2] + list(range(4, 9))]
+    rb.drop([1])
+    assert rb.filling == {} and 1 not in rb.cache.tables.lengths and rb.sids == [2]
