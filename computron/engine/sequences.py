@@ -278,9 +278,11 @@ class TokenBatch:
         return admit, self.take_drops(), rejected
 
     def _join(self, spec: SeqSpec, budget: StepBudget, resume: bool = False) -> Optional[SeqSpec]:
-        """``spec`` as it joins this step (a first chunk only, where chunked), or None: it waits."""
+        """``spec`` as it joins this step (a first chunk only, where chunked), or None: it waits. A recompute
+        is never chunked: a model preempted every few steps would restart its chunks at every turn and never
+        finish them, where a recompute's whole prefill runs in its turn's first step."""
         length = len(spec.prompt)
-        if not self.chunked:  # unchunked: a recompute goes while any budget is left, a longer prompt alone
+        if not self.chunked or resume:  # a recompute goes while any budget is left, a longer prompt alone
             if budget.prefills and (budget.left <= 0 if resume else length > budget.left):
                 return None
             budget.left -= length

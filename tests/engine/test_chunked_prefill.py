@@ -81,3 +81,27 @@ def test_chunked_prefill_matches_hf_keeps_decoding_and_cancels_mid_prefill(check
     assert before_long.count("short") >= 5, events
     assert doomed.cancelled() and "doomed" not in events
     assert max(s.prefill_tokens for s in steps) <= BUDGET
+
+
+@pytest.mark.parametrize("kv_swap", ["recompute", "offload"])
+def test_chunked_prefill_across_preemptions(checkpoints, kv_swap):
+    """Two models for one device slot, switched between steps: sequences mid-prefill are parked with their
+    blocks (offload) or dropped and prefilled again from the start (recompute); outputs still equal HF's."""
+    paths = {"a": checkpoints["llama0"], "b": checkpoints["opt0"]}
+    config = EngineConfig(max_loaded=1, max_batch_size=8, kv_cache="paged", kv_block_size=4, quantum_ms=1.0,
+                          kv_swap=kv_swap, max_step_tokens=BUDGET)
+    lengths = (40, 5, 27)
+
+    async def go():
+        engine = LaunchEngine(config, [ModelConfig(m, zoo.load_causal_lm, {"path": p}) for m, p in paths.items()],
+                              1, 1)
+        async with engine:
+            got = await asyncio.gather(*[engine.submit(m, {"input_ids": _prompt(i, n), "max_tokens": 6})
+                                         for m in paths for i, n in enumerate(lengths)])
+            return got, engine.metrics("preemption")
+
+    got, preemptions = asyncio.run(go())
+    calls = [(m, i, n) for m in paths for i, n in enumerate(lengths)]
+    for (m, i, n), toks in zip(calls, got):
+        assert toks.tolist() == greedy_reference(paths[m], _prompt(i, n), 6).tolist(), f"{m} prompt {i}"
+    assert preemptions, "the two models were never switched between steps"

@@ -90,15 +90,15 @@ def test_cancel_of_a_sequence_mid_prefill():
     assert tb.fill == () and tb.step_tokens == 0
 
 
-def test_recompute_of_a_sequence_mid_prefill_restarts_its_prefill():
+def test_recompute_of_a_sequence_mid_prefill_restarts_its_prefill_whole():
     tb, queue, reqs = _batch([(1, 40)], budget=16)
     tb.next_step(queue, reqs)
     tb.next_step(queue, reqs)
     assert tb.filling == {1: (32, 40)}
     tb.pause([1], now=1.0)
     assert tb.filling == {} and tb.paused() == 1
-    admit, _, _ = tb.next_step(queue, reqs)
-    assert [(a.sid, len(a.prompt), a.chunk) for a in admit] == [(1, 40, 16)] and tb.filling == {1: (16, 40)}
+    admit, _, _ = tb.next_step(queue, reqs)  # in one step: chunks restarted at every turn might never end
+    assert [(a.sid, len(a.prompt), a.chunk) for a in admit] == [(1, 40, 0)] and tb.filling == {}
 
 
 def test_prompt_logprobs_are_not_chunked():
