@@ -12,7 +12,8 @@ the model's own (``config._attn_implementation``: sdpa, eager with soft-capping,
 goes through transformers' attention interface runs unchanged.
 
 The pool grows (doubling, one copy per layer) when a step needs more blocks than are free; it starts at
-``initial_blocks``. ``park`` copies the blocks in use only (renumbered to the front of the pool) to host
+``initial_blocks``. Prompts may start with blocks cached by earlier ones (``prepare``'s ``joins``; the
+policy is ``BlockTables``'). ``park`` copies the blocks in use only (renumbered to the front of the pool) to host
 memory and frees the device pool; ``unpark`` brings them back.
 """
 from __future__ import annotations
@@ -74,6 +75,7 @@ class PagedKV:
         self.batched = False
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
+        self.counts: List[int] = []  # the step's computed tokens per row (a cached prefix is not)
 
     # ---- transformers' Cache interface, as the models use it ------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -108,10 +110,15 @@ class PagedKV:
         return new
 
     # ---- one step ------------------------------------------------------------------
-    def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype):
+    def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                joins: Optional[Dict[int, Tuple[Sequence[int], Optional[str]]]] = None):
         """Reserve the step's slots: ``new_tokens`` is ``(sid, count)`` per sequence in row order (running
-        ones with 1, joining ones with their prompt length). Returns the attention mask (a 4D additive mask,
-        or a mapping of them by layer type where the model has several) for one of two layouts:
+        ones with 1, joining ones with their prompt length). ``joins`` (prefix caching): ``{sid: (prompt,
+        adapter name or "", or None for no cache)}`` of joining sequences, each of which starts with its
+        prompt's cached prefix and counts only the rest (``self.counts``: each row's count, as computed), in
+        row order, then registers its full prompt blocks, so that a later row of this very step may share
+        them (each layer writes the step's keys before it reads). Returns the attention mask (a 4D additive
+        mask, or a mapping of them by layer type where the model has several) for one of two layouts:
 
         - a decode step (every count 1): a batch of rows ``[B, 1]``, each row's keys gathered from its
           blocks into ``[B, kv_heads, L, head_dim]`` (``L`` the longest; the mask ``[B, 1, 1, L]`` hides
@@ -122,14 +129,24 @@ class PagedKV:
 
         ``self.batched`` says which; ``position_ids`` ([B, 1] or [1, T]) and ``last_index`` (None, or the
         ragged row's index of each sequence's last token) go with it."""
-        need = sum(self.tables.blocks_needed(sid, n) for sid, n in new_tokens)
-        if need > self.tables.free_blocks:  # grown here, so that the appends below cannot raise PoolFull
+        joins, write, counts = joins or {}, [], []
+        bs = self.tables.block_size
+        need = sum(self.tables.blocks_needed(sid, n - bs * len(self.tables.cached_prefix(*joins.get(sid, ((), None)))))
+                   for sid, n in new_tokens)
+        if need > self.tables.free_blocks:  # one growth for the step, as far as the cache can tell
             self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
+        for sid, n in new_tokens:
+            prompt, seed = joins.get(sid, ((), None))
+            n -= self.tables.attach(sid, prompt, seed) if sid in joins else 0
+            need = self.tables.blocks_needed(sid, n)
+            if need > self.tables.free_blocks:  # so that the append below cannot raise PoolFull
+                self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
+            write += self.tables.append(sid, n)
+            self.tables.register(sid, prompt, seed)
+            counts.append(n)
+        new_tokens, self.counts = list(zip([sid for sid, _ in new_tokens], counts)), counts
         self.batched = all(n == 1 for _, n in new_tokens)
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        write: List[int] = []
-        for sid, n in new_tokens:
-            write += self.tables.append(sid, n)
         self._write = as_t(write)
         lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
         if self.batched:

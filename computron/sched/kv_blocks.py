@@ -146,9 +146,12 @@ class BlockTables:
             out.append(h)
         return out
 
-    def cached_prefix(self, prompt: Sequence[int], seed: str = "") -> List[int]:
-        """The cached blocks ``prompt`` starts with (the longest chain, leaving its last token uncached)."""
-        found = []
+    def cached_prefix(self, prompt: Sequence[int], seed: Optional[str] = "") -> List[int]:
+        """The cached blocks ``prompt`` starts with (the longest chain, leaving its last token uncached;
+        none where ``seed`` is None)."""
+        found: List[int] = []
+        if seed is None:
+            return found
         for h in self.block_hashes(prompt[:max(0, len(prompt) - 1)], seed):
             b = self._block_of.get(h)
             if b is None:
@@ -161,7 +164,7 @@ class BlockTables:
         never written); return their tokens, which it does not compute. ``seed`` None: no cache."""
         if sid in self.tables:
             raise ValueError(f"attach({sid}): the sequence already has blocks")
-        blocks = [] if seed is None else self.cached_prefix(prompt, seed)
+        blocks = self.cached_prefix(prompt, seed)
         for b in blocks:
             self._idle.pop(b, None)
             self._refs[b] = self._refs.get(b, 0) + 1
