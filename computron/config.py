@@ -77,6 +77,11 @@ class EngineConfig:
     each step one ragged row without padding)."""
     kv_block_size: int = 16
     """Tokens per block of the paged KV pool (``kv_cache='paged'``)."""
+    prefix_cache: bool = True
+    """Paged pool only: the full blocks of every prompt stay cached under a hash of their tokens (and the
+    adapter), and a later prompt that starts with the same tokens (a repeated system prompt, the copies of
+    an ``n > 1`` request) uses them instead of computing them again; blocks no sequence holds are evicted,
+    least recently used first, when the pool needs room. False prefills every prompt whole."""
     metrics_history: int = 100_000
     """How many records ``Engine.metrics()`` keeps (the oldest go first; about 1 KB each); 0 keeps all.
     ``Engine.counters()`` keeps running totals that never expire."""
@@ -175,7 +180,7 @@ class EngineConfig:
         if not isinstance(self.kv_block_size, int) or isinstance(self.kv_block_size, bool) \
                 or self.kv_block_size < 1:
             _fail(c, "kv_block_size", self.kv_block_size, "must be an int >= 1")
-        for name in ("step_mode",):
+        for name in ("step_mode", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be True or False")
         for name in ("max_loras", "max_lora_rank"):

@@ -81,7 +81,8 @@ def _running_batch(config, ctx: StageContext, module, layers: int):
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         return PagedBatch(config, block_size=ctx.kv_block_size,
                           initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
-                                                        ctx.kv_reserve * weights))
+                                                        ctx.kv_reserve * weights),
+                          prefix_cache=getattr(ctx, "prefix_cache", True))
     from .running import RunningBatch
     return RunningBatch()
 
@@ -322,7 +323,8 @@ class CausalLMRunner(GenerativeRunner):
         paged = getattr(rb, "paged", False)  # one ragged row: no padding, so never a forward apart
         apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit and not paged)
         if paged:
-            ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype())
+            ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype(),
+                                              [rb.cache_seed(a) for a in uniq])
             score = {n_run + j: n for j, n in score.items()}
             forwards = [(rb.token_rows(rows), ids, mask, width, rb.cache, score)]
         elif apart:  # (adapters of the rows, input ids, mask, new columns, cache, scored rows) of each forward
@@ -377,4 +379,4 @@ class CausalLMRunner(GenerativeRunner):
         rb.drop(ended)
         return StepResult(sids=tuple(sids), tokens=tuple(toks), ended=tuple(ended), running=len(rb),
                           kv_restored_bytes=restored, kv_restore_s=t_restore, logprobs=lps, prompt_logprobs=plps,
-                          prefill_tokens=sum(len(p) for p in prompts))
+                          prefill_tokens=rb.prefilled if paged else sum(len(p) for p in prompts))
