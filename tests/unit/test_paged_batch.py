@@ -101,3 +101,52 @@ def test_initial_blocks_follow_the_kv_formula():
     # per block: 2 (K, V) x 1 KV head (2 over TP=2) x 16 dims x 2 bytes x 2 layers x 4 tokens = 512 bytes
     assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=10_000) == 19
     assert initial_blocks(cfg, tp=2, layers=2, block_size=4, budget_bytes=5_000) == 16  # the floor
+
+
+SYSTEM = list(range(50, 60))  # a shared "system prompt" of 10 tokens: two full blocks of 4, and 2 tokens more
+CACHED = {0: [SYSTEM + [3]], 1: [SYSTEM + [4, 5, 6], SYSTEM + [4, 5, 6]], 2: [SYSTEM + [4, 5, 6]]}
+"""step -> prompts joining: the second step's first prompt starts with the first's two full blocks, its copy
+(an n > 1 request) with all three of its own full blocks, written in that same forward; the third step's
+prompt has one token to compute, so its step is a decode batch."""
+
+
+def _serve_cached(model, prefix_cache: bool):
+    rb = PagedBatch(model.config, block_size=4, initial_blocks=2, prefix_cache=prefix_cache)
+    logits, produced, prefilled, sid = [], {}, [], 0
+    with torch.inference_mode():
+        for step in range(max(CACHED) + MAX_TOKENS):
+            prompts = CACHED.get(step, [])
+            if not len(rb) and not prompts:
+                break
+            specs = [SimpleNamespace(sid=sid + i, max_tokens=MAX_TOKENS) for i in range(len(prompts))]
+            for s, p in zip(specs, prompts):
+                produced[s.sid] = (p, [])
+            sid += len(prompts)
+            ids, mask, _ = rb.step_inputs(prompts, [s.sid for s in specs], torch.device("cpu"), torch.float32)
+            prefilled.append(rb.prefilled)
+            out = _forward(model, ids, mask, rb.cache)
+            logits.append(out)
+            tokens = out.argmax(-1)
+            rb.joined(specs, {}, mask, tokens)
+            for s, t in zip(rb.sids, tokens.tolist()):
+                produced[s][1].append(t)
+            rb.drop(rb.ended([False] * len(rb)))
+    assert not len(rb) and rb.cache.tables.used_blocks == 0
+    return logits, produced, prefilled, rb
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(family, root):
+    model = _model(family, root)
+    plain, plain_out, plain_pre, _ = _serve_cached(model, prefix_cache=False)
+    cached, cached_out, cached_pre, rb = _serve_cached(model, prefix_cache=True)
+    assert plain_pre[:3] == [11, 26, 13]
+    assert cached_pre[:3] == [11, 13 - 8 + 1, 1]   # 8 tokens from the first prompt, then 12 from the second's
+    assert len(plain) == len(cached)
+    for a, b in zip(plain, cached):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert cached_out == plain_out
+    for sid, (prompt, tokens) in cached_out.items():
+        want = reference_generate(model, prompt, MAX_TOKENS).tolist()  # up to its first EOS (id 2)
+        assert tokens[:len(want)] == want, f"{family}: sequence {sid}"
+    assert rb.cache.tables.cached_blocks > 0 and rb.cache.tables.free_blocks == rb.cache.tables.num_blocks
