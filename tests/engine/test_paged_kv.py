@@ -78,3 +78,30 @@ def test_paged_engine_matches_hf_with_joins_leaves_and_preemption(paged, ckpts):
         assert toks == want, f"{family} {layout}, prompt {i} ({LENGTHS[i]} tokens): engine {toks} != {want}"
     swaps = [r for r in engine.metrics("load")]
     assert len(swaps) > len(SERVED), "three models for two slots: some model was swapped back in"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_repeated_system_prompt_is_prefilled_once(ckpts, prefix_cache):
+    """Two requests share a 20-token system prompt (five blocks of 4): the second, sent once the first ended,
+    computes its own 3 tokens only (all 23 without the cache), and both answers equal transformers'."""
+    system, tails = _prompts("llama-system", (20,))[0], _prompts("llama-tails", (3, 3))
+    prompts = [system + t for t in tails]
+    config = EngineConfig(max_batch_size=4, kv_cache="paged", kv_block_size=4, prefix_cache=prefix_cache)
+    engine = LaunchEngine(config, [_model_config("llama", ckpts["llama"])], 1, 1)
+    try:
+        async def go():
+            outs = []
+            for p in prompts:
+                toks = [int(t) async for t in engine.stream("llama", {"input_ids": p, "max_tokens": 6},
+                                                             timeout=REQUEST_TIMEOUT_S)]
+                outs.append(toks)
+            return outs
+
+        outs = asyncio.run(go())
+        prefilled = [r.prefill_tokens for r in engine.metrics("step") if r.admitted and r.model_id == "llama"]
+    finally:
+        engine.close()
+    for p, toks in zip(prompts, outs):
+        assert toks == greedy_reference(_hf(ckpts["llama"]), p, 6).tolist()
+    assert prefilled == ([23, 3] if prefix_cache else [23, 23])
