@@ -249,6 +249,10 @@ class CausalLMRunner(GenerativeRunner):
     def drop_all(self) -> None:
         self.running.clear()
 
+    def forget_prefixes(self) -> None:
+        """An adapter left: the paged pool's cached prompt blocks are not reused (``PagedBatch``)."""
+        getattr(self.running, "forget_prefixes", lambda: None)()
+
     def _chain(self, x, mask, new: int, cache, failed: bool, score=None):
         """One forward through the pipeline: receive, run this stage, pass on.
 

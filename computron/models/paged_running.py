@@ -44,6 +44,11 @@ class PagedBatch(SequenceBook):
         self.sids, self.specs, self.counts, self.generators, self.last = [], {}, {}, {}, None
         self.samplers = {}
 
+    def forget_prefixes(self) -> None:
+        """No cached prompt block may be used again (an adapter was removed: its name may come back with
+        other weights)."""
+        self.cache.tables.forget_cache()
+
     def kv_bytes(self) -> int:
         return self.cache.kv_bytes()
 

@@ -201,14 +201,19 @@ class BlockTables:
         self._free = list(range(len(order), self.num_blocks))  # ascending: already a heap
         return order
 
-    def clear(self) -> None:
-        """Forget every sequence and the cache (the pool's contents are no longer trusted)."""
-        self.free(list(self.tables))
+    def forget_cache(self) -> None:
+        """Empty the prefix cache (the weights behind its blocks changed): the blocks no sequence holds are
+        free, the held ones stay with their sequences."""
         for b in self._idle:
             heapq.heappush(self._free, b)
         self._idle.clear()
         self._hash_of.clear()
         self._block_of.clear()
+
+    def clear(self) -> None:
+        """Forget every sequence and the cache (the pool's contents are no longer trusted)."""
+        self.free(list(self.tables))
+        self.forget_cache()
 
 
 __all__ = ["BlockTables", "PoolFull"]

@@ -122,5 +122,7 @@ def test_renumber_drops_idle_cached_blocks_and_moves_shared_ones_once():
     assert t.tables == {1: [0, 1, 2], 2: [0, 1, 3]} and t.cached_blocks == 2 and t.free_blocks == 4
     assert t.attach(3, [5, 6, 7], "") == 0           # the idle block left the cache
     assert t.attach(4, [1, 2, 3, 4, 0], "") == 4 and t.tables[4] == [0, 1]
+    t.forget_cache()                                 # held blocks stay held, nothing is found any more
+    assert t.cached_blocks == 0 and t.used_blocks == 4 and t.attach(5, [1, 2, 3, 4, 0], "") == 0
     t.clear()
     assert (t.used_blocks, t.cached_blocks, t.free_blocks) == (0, 0, 8)

@@ -150,3 +150,10 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(family, root):
         want = reference_generate(model, prompt, MAX_TOKENS).tolist()  # up to its first EOS (id 2)
         assert tokens[:len(want)] == want, f"{family}: sequence {sid}"
     assert rb.cache.tables.cached_blocks > 0 and rb.cache.tables.free_blocks == rb.cache.tables.num_blocks
+
+
+def test_prefix_cache_setting_is_validated():
+    from computron import EngineConfig
+    assert EngineConfig().prefix_cache is True
+    with pytest.raises(ValueError, match="prefix_cache='yes'"):
+        EngineConfig(prefix_cache="yes")
