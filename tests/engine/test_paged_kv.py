@@ -80,28 +80,27 @@ def test_paged_engine_matches_hf_with_joins_leaves_and_preemption(paged, ckpts):
     assert len(swaps) > len(SERVED), "three models for two slots: some model was swapped back in"
 
 
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_a_repeated_system_prompt_is_prefilled_once(ckpts, prefix_cache):
+def test_a_repeated_system_prompt_is_prefilled_once(paged, ckpts):
     """Two requests share a 20-token system prompt (five blocks of 4): the second, sent once the first ended,
-    computes its own 3 tokens only (all 23 without the cache), and both answers equal transformers'."""
+    computes its own 3 tokens only, and both answers equal transformers' (each layout: every rank's pool
+    caches the same blocks)."""
+    engine, layout = paged
     system, tails = _prompts("llama-system", (20,))[0], _prompts("llama-tails", (3, 3))
     prompts = [system + t for t in tails]
-    config = EngineConfig(max_batch_size=4, kv_cache="paged", kv_block_size=4, prefix_cache=prefix_cache)
-    engine = LaunchEngine(config, [_model_config("llama", ckpts["llama"])], 1, 1)
-    try:
-        async def go():
-            outs = []
-            for p in prompts:
-                toks = [int(t) async for t in engine.stream("llama", {"input_ids": p, "max_tokens": 6},
-                                                             timeout=REQUEST_TIMEOUT_S)]
-                outs.append(toks)
-            return outs
+    before = len(engine.metrics())
 
-        outs = asyncio.run(go())
-        prefilled = [r.prefill_tokens for r in engine.metrics("step") if r.admitted and r.model_id == "llama"]
-    finally:
-        engine.close()
+    async def go():
+        outs = []
+        for p in prompts:
+            outs.append([int(t) async for t in engine.stream("llama", {"input_ids": p, "max_tokens": 6},
+                                                              timeout=REQUEST_TIMEOUT_S)])
+        return outs
+
+    outs = asyncio.run(go())
     for p, toks in zip(prompts, outs):
-        assert toks == greedy_reference(_hf(ckpts["llama"]), p, 6).tolist()
-    assert prefilled == ([23, 3] if prefix_cache else [23, 23])
+        assert toks == greedy_reference(_hf(ckpts["llama"]), p, 6).tolist(), layout
+    prefilled = [r.prefill_tokens for r in engine.metrics()[before:]
+                 if r.kind == "step" and r.admitted and r.model_id == "llama"]
+    assert prefilled == [23, 3], layout

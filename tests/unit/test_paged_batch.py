@@ -152,8 +152,13 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(family, root):
     assert rb.cache.tables.cached_blocks > 0 and rb.cache.tables.free_blocks == rb.cache.tables.num_blocks
 
 
-def test_prefix_cache_setting_is_validated():
+@pytest.mark.parametrize("on", [True, False])
+def test_prefix_cache_setting_is_validated_and_reaches_the_pool(on):
     from computron import EngineConfig
-    assert EngineConfig().prefix_cache is True
+    from computron.models.causal_lm import _running_batch
+    assert EngineConfig().prefix_cache is True and EngineConfig(prefix_cache=on).prefix_cache is on
     with pytest.raises(ValueError, match="prefix_cache='yes'"):
         EngineConfig(prefix_cache="yes")
+    ctx = SimpleNamespace(kv_cache="paged", kv_block_size=4, tp=1, kv_reserve=0.1, prefix_cache=on)
+    config = SimpleNamespace(num_key_value_heads=2, num_attention_heads=2, hidden_size=8, head_dim=None)
+    assert _running_batch(config, ctx, torch.nn.Linear(8, 8), 1).prefix_cache is on
