@@ -42,6 +42,8 @@ class StageContext:
     kv_cache: str = "dynamic"
     """``EngineConfig.kv_cache``: 'dynamic' or 'paged' (``kv_block_size`` tokens per block)."""
     kv_block_size: int = 16
+    compile_decode: str = "off"
+    """``EngineConfig.compile_decode``: 'off', 'auto' or 'on' (``decode_compile.wants_compile``)."""
     kv_reserve: float = 0.1
     """``EngineConfig.kv_reserve``: the paged pool starts with this fraction of the stage's weight bytes."""
     pack_linears: bool = True
