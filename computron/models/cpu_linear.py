@@ -72,8 +72,8 @@ def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn.Module] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on a packed weight held by ``holder`` where it packs, else weight-first
     where that is faster (see the module's docstring)."""
-    if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
+    if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)  # compiled (``decode_compile``): inductor picks the kernel
     if _packs(x, weight, holder):
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(holder, weight), bias, "none", [], "")
     if torch.get_num_threads() < 2:
