@@ -95,18 +95,24 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=("off", "on"), default="off",
                    help="on: each cache eager and compiled, side by side")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--worker-linears", action="store_true",
+                   help="CPU: Linears as a worker runs them (cpu_linear, packed for oneDNN) in the eager steps")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from computron.models.decode_compile import DecodeCompiler
     dev = torch.device(args.device)
     model = load(args.model).to(dev)
+    if args.worker_linears and dev.type == "cpu":
+        from computron.models.cpu_linear import use_cpu_kernels
+        use_cpu_kernels(model, pack=True)
     eager = DecodeCompiler(model.base_model, "off", dev)
     compiled = DecodeCompiler(model.base_model, "on", dev) if args.compile == "on" else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, min(1000, model.config.vocab_size), (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (args.batch,), generator=gen)]
     out = {"bench": "decode_step", "model": args.model, "batch": args.batch, "steps": args.steps,
-           "threads": args.threads, "device": args.device, "compile": args.compile}
+           "threads": args.threads, "device": args.device, "compile": args.compile,
+           "worker_linears": args.worker_linears}
     for kind in ("dynamic", "paged", "dynamic", "paged"):  # twice each, alternating: the second counts
         out[kind] = run(model, eager, kind, prompts, args.steps, args.profile, dev)
         if compiled is not None:
