@@ -113,7 +113,10 @@ class CausalLMRunner(GenerativeRunner):
         """The model's sequences between steps (token-level generation)."""
         self.lora = None
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
-        self.decode = DecodeCompiler(base, getattr(ctx, "compile_decode", "off"), ctx.device)
+        paged = getattr(self.running, "paged", False)
+        self.decode = DecodeCompiler(base, getattr(ctx, "compile_decode", "off"), ctx.device, graphs=paged)
+        if paged and self.decode.enabled and self.decode.device_type == "cuda":
+            self.running.cache.pow2_width = True
         """The backbone, compiled for decode steps without adapters (``decode_compile``)."""
 
     def _dtype(self) -> torch.dtype:

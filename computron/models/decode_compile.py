@@ -3,7 +3,9 @@
 A decode step (every row one new token: ``[B, 1]``, the dynamic cache's batch or the paged pool's) runs the
 same small graph step after step, so its cost is mostly Python and kernel launches; ``torch.compile`` takes
 most of that away. On CUDA the mode is "reduce-overhead": inductor's kernels replayed as CUDA graphs, one
-per shape it meets. Prefills and ragged paged rows (shapes that change every step) stay eager.
+per shape it meets, used where those shapes repeat: the paged pool's decode steps, whose gathers are padded to
+power-of-two widths (``PagedKV.pow2_width``); with the dynamic cache (keys one wider every step) inductor's
+kernels run without graphs. Prefills and ragged paged rows (shapes that change every step) stay eager.
 
 Shapes: the batch size and the keys' width (the dynamic cache's length, the paged gather's width) change
 from step to step, so the forward is compiled with ``dynamic=True`` (symbolic sizes, one graph for all of
@@ -43,9 +45,11 @@ def wants_compile(setting: str, device_type: str) -> bool:
     return setting == "on"
 
 
-def compile_mode(device_type: str) -> Optional[str]:
-    """torch.compile's mode: CUDA graphs on CUDA, inductor's default elsewhere."""
-    return "reduce-overhead" if device_type == "cuda" else None
+def compile_mode(device_type: str, graphs: bool = True) -> Optional[str]:
+    """torch.compile's mode: CUDA graphs on CUDA where the step's shapes repeat (``graphs``), else inductor's
+    default. A CUDA graph is recorded per distinct shape; the dynamic cache's keys grow every step (a new
+    shape each time, a recording each step), the paged pool's decode gathers come in power-of-two widths."""
+    return "reduce-overhead" if device_type == "cuda" and graphs else None
 
 
 class _Registry:
@@ -71,8 +75,9 @@ REGISTRY = _Registry()
 class DecodeCompiler:
     """Runs a backbone ``module``: compiled for decode steps where ``enabled``, eager otherwise."""
 
-    def __init__(self, module: torch.nn.Module, setting: str, device: torch.device):
+    def __init__(self, module: torch.nn.Module, setting: str, device: torch.device, graphs: bool = True):
         self.module = module
+        self.graphs = graphs
         self.device_type = torch.device(device).type
         self.enabled = wants_compile(setting, self.device_type)
         self.failed = False
@@ -89,7 +94,7 @@ class DecodeCompiler:
         if not decode or not self.enabled or self.failed:
             return self.module(**kwargs)
         if self.compiled is None:
-            self.compiled = torch.compile(self.module, dynamic=True, mode=compile_mode(self.device_type))
+            self.compiled = torch.compile(self.module, dynamic=True, mode=compile_mode(self.device_type, self.graphs))
             self.compiles += 1
             REGISTRY.add(id(self))
         try:

@@ -72,6 +72,9 @@ class PagedKV:
         self._read: Optional[torch.Tensor] = None
         self._shape: Optional[Tuple[int, int]] = None  # (rows, keys per row) of a decode step's gather
         self.batched = False
+        self.pow2_width = False
+        """Decode gathers as wide as the next power of two (>= 16): few distinct shapes, one CUDA graph each
+        (``decode_compile``); the extra columns are masked."""
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
 
@@ -134,6 +137,8 @@ class PagedKV:
         lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
         if self.batched:
             width = max(lengths)
+            if self.pow2_width:
+                width = max(16, 1 << (width - 1).bit_length())
             read: List[int] = []
             for sid, _ in new_tokens:
                 own = self.tables.slots(sid)
