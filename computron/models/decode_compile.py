@@ -11,10 +11,14 @@ Shapes: the batch size and the keys' width (the dynamic cache's length, the page
 from step to step, so the forward is compiled with ``dynamic=True`` (symbolic sizes, one graph for all of
 them) instead of a graph per size.
 
-Compilation is lazy (the first decode step after a load pays for it). If tracing or compiling fails, the
-runner falls back to eager for good, with ONE logged warning: a compiler problem never fails a request.
-Dynamo's side effects on the cache (its new keys) are applied after the graph ran, so a failure at compile
-time leaves the cache as it was and the eager retry sees the same state.
+Compilation is lazy (the first decode step after a load pays for it). If tracing or compiling fails (dynamo's
+and inductor's exceptions), the runner falls back to eager for good, with ONE logged warning: a compiler
+problem never fails a request. Dynamo applies a graph's side effects on the cache (its new keys) after the
+graph ran, so a failure while compiling leaves the cache as it was and the eager retry sees the same state.
+An error of the model itself (raised by the compiled code as eager code raises it) fails the step as before.
+
+Limits: dynamo keeps ``torch._dynamo.config.cache_size_limit`` (8) compiled variants per code object, shared
+by every model of one class in the process; past that it runs the forward eagerly (dynamo logs it).
 
 Release: when the model leaves the device ``release()`` drops the compiled forward (and the CUDA graphs'
 memory with it). Dynamo's code cache and CUDA-graph pools are process-wide (``torch.compiler.reset``), so
@@ -97,9 +101,10 @@ class DecodeCompiler:
             self.compiled = torch.compile(self.module, dynamic=True, mode=compile_mode(self.device_type, self.graphs))
             self.compiles += 1
             REGISTRY.add(id(self))
+        from torch._dynamo.exc import TorchDynamoException
         try:
             return self.compiled(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: eager, and say so once
+        except TorchDynamoException as exc:  # tracing or compiling failed (the model's own errors pass)
             self.failed = True
             log.warning("compile_decode: compiling %s's decode step failed, running it eagerly from now on: "
                         "%s: %s", type(self.module).__name__, type(exc).__name__, exc)

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
 from computron import EngineConfig
 from computron.models import decode_compile as dc
@@ -33,7 +34,7 @@ def fake_compile(monkeypatch):
         def run(**kwargs):
             state["calls"] += 1
             if state["broken"]:
-                raise RuntimeError("inductor: no C++ compiler")
+                raise TorchDynamoException("inductor: no C++ compiler")
             return module(**kwargs)
         return run
     monkeypatch.setattr(torch, "compile", compile_)
@@ -81,6 +82,21 @@ def test_failed_compile_warns_once_and_runs_eagerly(fake_compile, caplog):
     assert d.failed and not d.active and fake_compile["calls"] == 1, "tried once, eager from then on"
     warned = [r for r in caplog.records if "compile_decode" in r.getMessage()]
     assert len(warned) == 1 and "no C++ compiler" in warned[0].getMessage()
+
+
+class Poisoned(torch.nn.Module):
+    def forward(self, x):
+        if (x < 0).any():
+            raise ValueError("negative input")
+        return x
+
+
+def test_a_models_own_error_fails_the_step_and_keeps_the_compiled_step(fake_compile):
+    d = DecodeCompiler(Poisoned(), "on", torch.device("cpu"))
+    with pytest.raises(ValueError, match="negative input"):
+        d(True, x=-torch.ones(1, 1))
+    assert d.active and not d.failed and fake_compile["calls"] == 1, "raised once, not retried eagerly"
+    assert torch.equal(d(True, x=torch.ones(1, 1)), torch.ones(1, 1)) and fake_compile["calls"] == 2
 
 
 def test_release_resets_the_compiler_when_the_last_compiled_model_leaves(fake_compile):
