@@ -144,7 +144,7 @@ class LoraSlots:
         return sum(t.nbytes() for t in self._targets.values())
 
     @property
-    def active(self) -> bool:
+    def applying(self) -> bool:
         """Whether the forward under way applies some adapter (between ``activate`` and ``deactivate``)."""
         return bool(self._active)
 

@@ -139,7 +139,7 @@ class CausalLMRunner(GenerativeRunner):
             kwargs["input_ids"] = x
         else:
             kwargs["inputs_embeds"] = x
-        decode = x.shape[1] == 1 and (self.lora is None or not self.lora.active)
+        decode = x.shape[1] == 1 and (self.lora is None or not self.lora.applying)
         hidden = self.decode(decode, **kwargs).last_hidden_state
         if not self.ctx.is_last:
             return hidden

@@ -109,3 +109,37 @@ def test_release_resets_the_compiler_when_the_last_compiled_model_leaves(fake_co
     assert b.release() and fake_compile["resets"] == 1
     b(True, x=x)
     assert b.active and b.compiles == 2, "the next residency compiles again"
+
+
+class Applying:
+    """A stand-in for ``LoraSlots`` in the middle of a forward with some adapter."""
+    applying = True
+
+
+def test_runner_compiles_decode_steps_only_without_adapters(fake_compile):
+    from transformers import DynamicCache
+
+    from computron import ModelConfig
+    from computron.comm.topology import Layout
+    from computron.models import StageContext, make_runner
+    from computron.testing.zoo import random_causal_lm
+
+    class OneRank:
+        layout = Layout(1, 1, 1, False)
+        rank, stage, tp_rank, tp_group, data = 0, 0, 0, None, None
+
+    ctx = StageContext(OneRank(), torch.device("cpu"), "m", scatter_from=None, compile_decode="on")
+    runner = make_runner(random_causal_lm("llama-tiny", seed=0), ModelConfig("m", random_causal_lm,
+                                                                              {"name": "llama-tiny"}), ctx)
+    ids, cache = torch.tensor([[5, 6, 7]]), DynamicCache()
+    with torch.inference_mode():
+        runner._stage_forward(ids, torch.ones(1, 3), None, cache)
+        assert not runner.decode.active, "a prefill stays eager"
+        runner.lora = Applying()
+        runner._stage_forward(ids[:, :1], torch.ones(1, 4), None, cache)
+        assert not runner.decode.active, "a decode step with adapters stays eager"
+        runner.lora = None
+        runner._stage_forward(ids[:, :1], torch.ones(1, 5), None, cache)
+    assert runner.decode.active and fake_compile["calls"] == 1
+    runner.release_resident()
+    assert not runner.decode.active and fake_compile["resets"] == 1, "the offload path drops it"
