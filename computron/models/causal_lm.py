@@ -115,9 +115,10 @@ class CausalLMRunner(GenerativeRunner):
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
         paged = getattr(self.running, "paged", False)
         self.decode = DecodeCompiler(base, getattr(ctx, "compile_decode", "off"), ctx.device, graphs=paged)
+        """The backbone, compiled for decode steps without adapters (``decode_compile``); CUDA graphs for the
+        paged pool, whose decode gathers then come in few widths."""
         if paged and self.decode.enabled and self.decode.device_type == "cuda":
             self.running.cache.pow2_width = True
-        """The backbone, compiled for decode steps without adapters (``decode_compile``)."""
 
     def _dtype(self) -> torch.dtype:
         p = next(iter(self.module.parameters()), None)
