@@ -7,8 +7,9 @@ grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool p
 Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
 the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible.
 ``--compile on`` runs every cache eager and compiled (``models/decode_compile``: the backbone's decode steps
-through torch.compile, CUDA graphs on ``--device cuda``), alternating A B A B, and reports both side by side
-(``eager_ms``, ``compiled_ms``, ``compiled_over_eager``); the first pass of each warms up (compiles).
+through torch.compile; on ``--device cuda`` the paged pool's as CUDA graphs), alternating A B A B, and
+reports both side by side (``eager_ms``, ``compiled_ms``, ``compiled_over_eager``); the first pass of each
+warms up (compiles).
 
     .venv/bin/python benchmarks/decode_step.py                          # SmolLM2, batch 8, ~1 minute
     .venv/bin/python benchmarks/decode_step.py --model llama-tiny --steps 8 --batch 4   # seconds
@@ -52,6 +53,8 @@ def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: tor
     from computron.models.paged_running import PagedBatch
     from computron.models.running import RunningBatch
     rb = PagedBatch(model.config) if kind == "paged" else RunningBatch()
+    if kind == "paged" and backbone.enabled and dev.type == "cuda":
+        rb.cache.pow2_width = True  # as CausalLMRunner sets it: few gather widths, one CUDA graph each
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     specs = [SimpleNamespace(sid=i, max_tokens=steps + 1) for i in range(len(prompts))]
     times, prof = [], None
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
         from computron.models.cpu_linear import use_cpu_kernels
         use_cpu_kernels(model, pack=True)
     eager = DecodeCompiler(model.base_model, "off", dev)
-    compiled = DecodeCompiler(model.base_model, "on", dev) if args.compile == "on" else None
+    compiled = {kind: DecodeCompiler(model.base_model, "on", dev, graphs=kind == "paged")  # as a runner has it
+                for kind in ("dynamic", "paged")} if args.compile == "on" else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, min(1000, model.config.vocab_size), (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (args.batch,), generator=gen)]
@@ -116,9 +120,9 @@ def main(argv=None) -> int:
     for kind in ("dynamic", "paged", "dynamic", "paged"):  # twice each, alternating: the second counts
         out[kind] = run(model, eager, kind, prompts, args.steps, args.profile, dev)
         if compiled is not None:
-            c = run(model, compiled, kind, prompts, args.steps, False, dev)
+            c = run(model, compiled[kind], kind, prompts, args.steps, False, dev)
             out[kind].update(eager_ms=out[kind].pop("ms_per_step"), compiled_ms=c["ms_per_step"],
-                             fell_back=compiled.failed)
+                             fell_back=compiled[kind].failed)
             out[kind]["ms_per_step"] = out[kind]["eager_ms"]
             out[kind]["compiled_over_eager"] = round(c["ms_per_step"] / out[kind]["eager_ms"], 3)
     out["paged_over_dynamic"] = round(out["paged"]["ms_per_step"] / out["dynamic"]["ms_per_step"], 3)
