@@ -44,6 +44,8 @@ class StageContext:
     kv_block_size: int = 16
     prefix_cache: bool = True
     """``EngineConfig.prefix_cache``: paged prompts start with the blocks earlier prompts cached."""
+    compile_decode: str = "off"
+    """``EngineConfig.compile_decode``: 'off', 'auto' or 'on' (``decode_compile.wants_compile``)."""
     kv_reserve: float = 0.1
     """``EngineConfig.kv_reserve``: the paged pool starts with this fraction of the stage's weight bytes."""
     pack_linears: bool = True

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..comm import p2p
+from .decode_compile import DecodeCompiler
 from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult
 from .families import decoder_family
 from .row_split import gather_vocab
@@ -113,6 +114,12 @@ class CausalLMRunner(GenerativeRunner):
         """The model's sequences between steps (token-level generation)."""
         self.lora = None
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
+        paged = getattr(self.running, "paged", False)
+        self.decode = DecodeCompiler(base, getattr(ctx, "compile_decode", "off"), ctx.device, graphs=paged)
+        """The backbone, compiled for decode steps without adapters (``decode_compile``); CUDA graphs for the
+        paged pool, whose decode gathers then come in few widths."""
+        if paged and self.decode.enabled and self.decode.device_type == "cuda":
+            self.running.cache.pow2_width = True
 
     def _dtype(self) -> torch.dtype:
         p = next(iter(self.module.parameters()), None)
@@ -134,7 +141,8 @@ class CausalLMRunner(GenerativeRunner):
             kwargs["input_ids"] = x
         else:
             kwargs["inputs_embeds"] = x
-        hidden = self.base(**kwargs).last_hidden_state
+        decode = x.shape[1] == 1 and (self.lora is None or not self.lora.applying)
+        hidden = self.decode(decode, **kwargs).last_hidden_state
         if not self.ctx.is_last:
             return hidden
         last = getattr(cache, "last_index", None)  # paged: one ragged row, each sequence's last token
@@ -233,6 +241,11 @@ class CausalLMRunner(GenerativeRunner):
 
     def host_kv_bytes(self) -> int:
         return self.running.kv_bytes() if self.running.parked else 0
+
+    def release_resident(self) -> int:
+        """Also drops the compiled decode step (its CUDA graphs hold device memory of this residency)."""
+        self.decode.release()
+        return super().release_resident()
 
     def park_running(self, recompute) -> ParkResult:
         """The model leaves the device: drop the sequences to be recomputed (their sampling generators'

@@ -73,6 +73,9 @@ class PagedKV:
         self._read: Optional[torch.Tensor] = None
         self._shape: Optional[Tuple[int, int]] = None  # (rows, keys per row) of a decode step's gather
         self.batched = False
+        self.pow2_width = False
+        """Decode gathers as wide as the next power of two (>= 16): few distinct shapes, one CUDA graph each
+        (``decode_compile``); the extra columns are masked. The pools are then marked static addresses."""
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
         self.counts: List[int] = []  # the step's computed tokens per row (a cached prefix is not)
@@ -101,13 +104,19 @@ class PagedKV:
         """The layer's pool at the table's current size (a first allocation, or a grown copy)."""
         slots = self.tables.num_blocks * self.tables.block_size
         heads, _, dim = like.shape
-        new = [torch.empty((heads, slots, dim), dtype=like.dtype, device=like.device) for _ in range(2)]
+        new = [self._pool((heads, slots, dim), like.dtype, like.device) for _ in range(2)]
         old = (self.keys.get(layer_idx), self.values.get(layer_idx))
         for n, o in zip(new, old):
             if o is not None:
                 n[:, :o.shape[1]].copy_(o)
         self.keys[layer_idx], self.values[layer_idx] = new
         return new
+
+    def _pool(self, shape, dtype, device) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if self.pow2_width:  # written in place by a CUDA graph: a static input, or inductor skips the graph
+            torch._dynamo.mark_static_address(t)
+        return t
 
     # ---- one step ------------------------------------------------------------------
     def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype,
@@ -151,6 +160,8 @@ class PagedKV:
         lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
         if self.batched:
             width = max(lengths)
+            if self.pow2_width:
+                width = max(16, 1 << (width - 1).bit_length())
             read: List[int] = []
             for sid, _ in new_tokens:
                 own = self.tables.slots(sid)
@@ -240,7 +251,7 @@ class PagedKV:
         for layer, (k, v) in self.parked.items():
             new = []
             for t in (k, v):
-                d = torch.empty((t.shape[0], slots, t.shape[2]), dtype=t.dtype, device=device)
+                d = self._pool((t.shape[0], slots, t.shape[2]), t.dtype, device)
                 d[:, :t.shape[1]].copy_(t, non_blocking=True)
                 new.append(d)
             self.keys[layer], self.values[layer] = new

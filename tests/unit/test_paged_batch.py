@@ -37,8 +37,10 @@ def _forward(model, ids, mask, cache) -> torch.Tensor:
     return model.get_output_embeddings()(last).float()
 
 
-def _serve(model, block_size: int, stop_early=None) -> dict:
+def _serve(model, block_size: int, stop_early=None, pow2: bool = False) -> dict:
     rb, produced, sid, parked = PagedBatch(model.config, block_size=block_size, initial_blocks=2), {}, 0, []
+    rb.cache.pow2_width = pow2
+    widths = set()
     with torch.inference_mode():
         for step in range(max(ADMISSIONS) + MAX_TOKENS + 1):
             prompts = ADMISSIONS.get(step, [])
@@ -52,6 +54,8 @@ def _serve(model, block_size: int, stop_early=None) -> dict:
             rb.unpark(torch.device("cpu"))
             ids, mask, _ = rb.step_inputs(prompts, [s.sid for s in specs], torch.device("cpu"), torch.float32)
             tokens = _forward(model, ids, mask, rb.cache).argmax(-1)
+            if rb.cache.batched:
+                widths.add(rb.cache._shape[1])
             rb.joined(specs, {}, mask, tokens)
             for s, t in zip(rb.sids, tokens.tolist()):
                 produced[s][1].append(t)
@@ -62,6 +66,7 @@ def _serve(model, block_size: int, stop_early=None) -> dict:
                 parked.append((rb.park(copy=True), used * rb.cache.block_bytes(), rb.kv_bytes(),
                                rb.cache.tables.used_tokens))
     assert not len(rb) and rb.cache.tables.used_blocks == 0
+    assert not pow2 or widths <= {16, 32, 64}, widths
     return produced, parked
 
 
@@ -92,6 +97,16 @@ def test_paged_ragged_steps_equal_generate(family, root):
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # the model's formula (float32)
     assert tokens > 0 and kv == tokens * per_token  # the pool accounts each token as the formula says
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_power_of_two_decode_widths_equal_generate(family, root):
+    """``PagedKV.pow2_width`` (a CUDA-graphed decode step's few shapes): the padded columns are masked."""
+    model = _model(family, root)
+    produced, _ = _serve(model, block_size=4, pow2=True)
+    for sid, (prompt, tokens) in produced.items():
+        want = reference_generate(model, prompt, MAX_TOKENS).tolist()
+        assert tokens[:len(want)] == want, f"{family}: sequence {sid}"
 
 
 def test_initial_blocks_follow_the_kv_formula():
