@@ -6,9 +6,14 @@ way ``CausalLMRunner.step`` drives it: ``running.RunningBatch`` (transformers' D
 grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool per layer, one ragged row).
 Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
 the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible.
+``--compile on`` runs every cache eager and compiled (``models/decode_compile``: the backbone's decode steps
+through torch.compile; on ``--device cuda`` the paged pool's as CUDA graphs), alternating A B A B, and
+reports both side by side (``eager_ms``, ``compiled_ms``, ``compiled_over_eager``); the first pass of each
+warms up (compiles).
 
     .venv/bin/python benchmarks/decode_step.py                          # SmolLM2, batch 8, ~1 minute
     .venv/bin/python benchmarks/decode_step.py --model llama-tiny --steps 8 --batch 4   # seconds
+    .venv/bin/python benchmarks/decode_step.py --compile on --device cuda               # eager vs CUDA graphs
 """
 from __future__ import annotations
 
@@ -37,18 +42,20 @@ def load(name: str):
                                                         "SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
-def forward(model, ids, mask, cache, positions, last):
+def forward(model, backbone, ids, mask, cache, positions, last):
     kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                              **{kw: cache}).last_hidden_state
+    hidden = backbone(ids.shape[1] == 1, input_ids=ids, attention_mask=mask, position_ids=positions,
+                      use_cache=True, **{kw: cache}).last_hidden_state
     return model.get_output_embeddings()(hidden[0, last] if last is not None else hidden[:, -1]).float()
 
 
-def run(model, kind: str, prompts, steps: int, profile: bool):
+def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: torch.device):
     from computron.models.paged_running import PagedBatch
     from computron.models.running import RunningBatch
     rb = PagedBatch(model.config) if kind == "paged" else RunningBatch()
-    cpu = torch.device("cpu")
+    if kind == "paged" and backbone.enabled and dev.type == "cuda":
+        rb.cache.pow2_width = True  # as CausalLMRunner sets it: few gather widths, one CUDA graph each
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     specs = [SimpleNamespace(sid=i, max_tokens=steps + 1) for i in range(len(prompts))]
     times, prof = [], None
     with torch.inference_mode():
@@ -59,14 +66,16 @@ def run(model, kind: str, prompts, steps: int, profile: bool):
             with watch:
                 t0 = time.perf_counter()
                 if kind == "paged":
-                    ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], cpu,
-                                                  torch.float32)
-                    logits = forward(model, ids, mask, rb.cache, rb.cache.position_ids, rb.cache.last_index)
+                    ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], dev,
+                                                  model.dtype)
+                    logits = forward(model, backbone, ids, mask, rb.cache, rb.cache.position_ids,
+                                     rb.cache.last_index)
                 else:
-                    ids, mask, width = rb.step_inputs(admit, 0, cpu)
+                    ids, mask, width = rb.step_inputs(admit, 0, dev)
                     pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -width:]
-                    logits = forward(model, ids, mask, rb.cache, pos, None)
+                    logits = forward(model, backbone, ids, mask, rb.cache, pos, None)
                 rb.joined(specs if admit else [], {}, mask, logits.argmax(-1))
+                sync()
                 if step:
                     times.append(time.perf_counter() - t0)
             if profile and step == steps:
@@ -86,16 +95,36 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a worker's default: 1)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compile", choices=("off", "on"), default="off",
+                   help="on: each cache eager and compiled, side by side")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--worker-linears", action="store_true",
+                   help="CPU: Linears as a worker runs them (cpu_linear, packed for oneDNN) in the eager steps")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load(args.model)
+    from computron.models.decode_compile import DecodeCompiler
+    dev = torch.device(args.device)
+    model = load(args.model).to(dev)
+    if args.worker_linears and dev.type == "cpu":
+        from computron.models.cpu_linear import use_cpu_kernels
+        use_cpu_kernels(model, pack=True)
+    eager = DecodeCompiler(model.base_model, "off", dev)
+    compiled = {kind: DecodeCompiler(model.base_model, "on", dev, graphs=kind == "paged")  # as a runner has it
+                for kind in ("dynamic", "paged")} if args.compile == "on" else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, min(1000, model.config.vocab_size), (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (args.batch,), generator=gen)]
     out = {"bench": "decode_step", "model": args.model, "batch": args.batch, "steps": args.steps,
-           "threads": args.threads}
+           "threads": args.threads, "device": args.device, "compile": args.compile,
+           "worker_linears": args.worker_linears}
     for kind in ("dynamic", "paged", "dynamic", "paged"):  # twice each, alternating: the second counts
-        out[kind] = run(model, kind, prompts, args.steps, args.profile)
+        out[kind] = run(model, eager, kind, prompts, args.steps, args.profile, dev)
+        if compiled is not None:
+            c = run(model, compiled[kind], kind, prompts, args.steps, False, dev)
+            out[kind].update(eager_ms=out[kind].pop("ms_per_step"), compiled_ms=c["ms_per_step"],
+                             fell_back=compiled[kind].failed)
+            out[kind]["ms_per_step"] = out[kind]["eager_ms"]
+            out[kind]["compiled_over_eager"] = round(c["ms_per_step"] / out[kind]["eager_ms"], 3)
     out["paged_over_dynamic"] = round(out["paged"]["ms_per_step"] / out["dynamic"]["ms_per_step"], 3)
     print(json.dumps(out), flush=True)
     return 0

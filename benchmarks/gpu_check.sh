@@ -13,9 +13,14 @@
 #      written once to ${TIERS_DIR:-/tmp/computron-tiers}: 5.3 GB and 26.6 GB), tp=1, every load from disk,
 #      each twice: page cache dropped (posix_fadvise, no root needed) and warm; each load paired with a bare
 #      process reading the same bytes right before and after it -> one JSON line per model
+#   7. decode: benchmarks/decode_step.py --device ${DECODE_DEVICE:-cuda} --compile on: a decode step eager and
+#      compiled (CUDA graphs, EngineConfig.compile_decode), both KV layouts, side by side -> one JSON line
+#      (DECODE_MODEL, default smollm2; DECODE_BATCH 8, DECODE_STEPS 32: the CPU-sized test runs llama-tiny)
+#   8. peer: benchmarks/peer_vllm.py --device cuda --no-install (against PEER_VLLM_URL where given; without
+#      a vLLM environment or server it prints {"skipped": ...}) -> one JSON line
 # Every JSON line is appended to ${OUT:-.}/gpu_results.jsonl; swap.py's progress log goes to
 # ${OUT:-.}/swap_opt-6.7b.log (its per-engine lines survive a timeout).
-# STEPS (default "devices versions copy correctness swap llm_sim disk") picks steps, e.g.
+# STEPS (default "devices versions copy correctness swap llm_sim disk decode peer") picks steps, e.g.
 #   STEPS=disk bash benchmarks/gpu_check.sh      # the disk-tier rows alone (about 5 minutes)
 # TIERS_MODELS (default "opt-1.3b opt-6.7b") the disk-tier rows' model shapes.
 #
@@ -36,7 +41,7 @@ BUDGET_S="${GPU_CHECK_BUDGET_S:-590}"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-STEPS=" ${STEPS:-devices versions copy correctness swap llm_sim disk} "
+STEPS=" ${STEPS:-devices versions copy correctness swap llm_sim disk decode peer} "
 TIERS_DIR="${TIERS_DIR:-/tmp/computron-tiers}"
 
 failed=()
@@ -150,6 +155,23 @@ for model in ${TIERS_MODELS:-opt-1.3b opt-6.7b}; do
         failed+=("disk_$model")
     fi
 done
+fi
+
+if want decode; then
+step "decode step on ${DECODE_DEVICE:-cuda}: eager vs compiled (CUDA graphs), dynamic and paged KV"
+if ! timeout -k 10 "$(left 240)" "$PY" -m benchmarks.decode_step --device "${DECODE_DEVICE:-cuda}" --compile on \
+        --model "${DECODE_MODEL:-smollm2}" --batch "${DECODE_BATCH:-8}" --steps "${DECODE_STEPS:-32}" \
+        | tee -a "$RESULTS"; then
+    failed+=("decode")
+fi
+fi
+
+if want peer; then
+step "peer: computron on cuda against vLLM (${PEER_VLLM_URL:-its own CPU build, if installed})"
+if ! timeout -k 20 "$(left 300)" "$PY" benchmarks/peer_vllm.py --device cuda --no-install \
+        ${PEER_VLLM_URL:+--vllm-url "$PEER_VLLM_URL"} | tee -a "$RESULTS"; then
+    failed+=("peer")
+fi
 fi
 
 step "done in ${SECONDS}s; results in $RESULTS"

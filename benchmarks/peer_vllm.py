@@ -21,6 +21,7 @@ B A A' B), its figures and ratios under ``variants.NAME``: a before/after compar
     .venv/bin/python benchmarks/peer_vllm.py                     # ~10 minutes on 2 CPU cores (first: + install)
     .venv/bin/python benchmarks/peer_vllm.py --engine kv_cache=dynamic --variant paged:kv_cache=paged
     .venv/bin/python benchmarks/peer_vllm.py --dry-run           # checks the setup only (seconds)
+    .venv/bin/python benchmarks/peer_vllm.py --device cuda --vllm-url URL   # ours on the GPU, a vLLM at URL
 """
 from __future__ import annotations
 
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--venv", default=DEFAULT_VENV, help="vLLM's virtual environment (built once when missing)")
     p.add_argument("--no-install", action="store_true", help="skip where the vLLM venv is not built yet")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for each server to become ready")
+    p.add_argument("--device", help="our servers' EngineConfig.device (cuda: on the GPU; vLLM stays its CPU build)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the checkpoint file and the vLLM venv only (no install, no server), then exit")
     args = p.parse_args(argv)
@@ -182,6 +184,8 @@ def main(argv=None) -> int:
     ckpt = gguf.convert(gguf_file)
     work = tempfile.mkdtemp(prefix="computron-peer-vllm-")
     engine = {k: yaml.safe_load(v) for k, v in (e.split("=", 1) for e in args.engine)}
+    if args.device:
+        engine.setdefault("device", args.device)
     setups = {"computron": engine}
     for v in args.variant:
         name, _, fields = v.partition(":")

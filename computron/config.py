@@ -77,6 +77,17 @@ class EngineConfig:
     each step one ragged row without padding)."""
     kv_block_size: int = 16
     """Tokens per block of the paged KV pool (``kv_cache='paged'``)."""
+    prefix_cache: bool = True
+    """Paged pool only: the full blocks of every prompt stay cached under a hash of their tokens (and the
+    adapter), and a later prompt that starts with the same tokens (a repeated system prompt, the copies of
+    an ``n > 1`` request) uses them instead of computing them again; blocks no sequence holds are evicted,
+    least recently used first, when the pool needs room. False prefills every prompt whole."""
+    compile_decode: str = "auto"
+    """A causal LM's decode steps (every row one new token) through ``torch.compile`` (``models/decode_compile``):
+    'on' on any device (inductor's C++ kernels on a CPU), 'auto' only on CUDA (CUDA graphs, mode
+    "reduce-overhead"; on a CPU compiling measured no win: docs/performance.md), 'off' eager. Prefills stay
+    eager; a model compiles on its first decode step after a load and drops it when it leaves the device; a
+    failed compilation logs one warning and runs eagerly."""
     metrics_history: int = 100_000
     """How many records ``Engine.metrics()`` keeps (the oldest go first; about 1 KB each); 0 keeps all.
     ``Engine.counters()`` keeps running totals that never expire."""
@@ -172,10 +183,12 @@ class EngineConfig:
             _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True or False")
         if self.kv_cache not in ("dynamic", "paged"):
             _fail(c, "kv_cache", self.kv_cache, "must be 'dynamic' or 'paged'")
+        if self.compile_decode not in ("off", "auto", "on"):
+            _fail(c, "compile_decode", self.compile_decode, "must be 'off', 'auto' or 'on'")
         if not isinstance(self.kv_block_size, int) or isinstance(self.kv_block_size, bool) \
                 or self.kv_block_size < 1:
             _fail(c, "kv_block_size", self.kv_block_size, "must be an int >= 1")
-        for name in ("step_mode",):
+        for name in ("step_mode", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be True or False")
         for name in ("max_loras", "max_lora_rank"):

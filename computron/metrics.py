@@ -81,7 +81,8 @@ class StepRecord(_Timed):
     kind: str = "step"
     wall_start: float = 0.0
     prefill_tokens: int = 0
-    """Prompt tokens the step's prefill ran (admitted sequences with the same prompt share one row)."""
+    """Prompt tokens the step's prefill ran (admitted sequences with the same prompt share one row; a paged
+    pool's cached prefix is not run)."""
 
 
 

@@ -143,6 +143,11 @@ class LoraSlots:
     def device_bytes(self) -> int:
         return sum(t.nbytes() for t in self._targets.values())
 
+    @property
+    def applying(self) -> bool:
+        """Whether the forward under way applies some adapter (between ``activate`` and ``deactivate``)."""
+        return bool(self._active)
+
     # ---- one step --------------------------------------------------------------------------------
     def activate(self, row_adapters: Sequence[Optional[str]]) -> None:
         """Before a forward: row ``i`` of the batch runs with adapter ``row_adapters[i]`` (None: the base)."""

@@ -42,6 +42,10 @@ class StageContext:
     kv_cache: str = "dynamic"
     """``EngineConfig.kv_cache``: 'dynamic' or 'paged' (``kv_block_size`` tokens per block)."""
     kv_block_size: int = 16
+    prefix_cache: bool = True
+    """``EngineConfig.prefix_cache``: paged prompts start with the blocks earlier prompts cached."""
+    compile_decode: str = "off"
+    """``EngineConfig.compile_decode``: 'off', 'auto' or 'on' (``decode_compile.wants_compile``)."""
     kv_reserve: float = 0.1
     """``EngineConfig.kv_reserve``: the paged pool starts with this fraction of the stage's weight bytes."""
     pack_linears: bool = True
@@ -100,6 +104,9 @@ class StageRunner(abc.ABC):
         returns the bytes released."""
         from .cpu_linear import release_packs
         return release_packs(self.module)
+
+    def forget_prefixes(self) -> None:
+        """An adapter left: no cached prompt KV computed with it may be used again (none is kept here)."""
 
     @abc.abstractmethod
     def run(self, batch: Any, weights_ready: Callable[[], None]) -> Optional[Any]:

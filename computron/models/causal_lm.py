@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..comm import p2p
+from .decode_compile import DecodeCompiler
 from .base import BatchingDefaults, GenerativeRunner, ParkResult, StageContext, StepResult
 from .families import decoder_family
 from .row_split import gather_vocab
@@ -49,16 +50,6 @@ def finish_logits(logits: torch.Tensor, config) -> torch.Tensor:
     return logits
 
 
-def _generator(spec) -> torch.Generator:
-    """A sequence's own sampling generator: seeded, or restored where its sequence was paused."""
-    gen = torch.Generator(device="cpu")
-    if spec.gen_state is not None:
-        gen.set_state(torch.frombuffer(bytearray(spec.gen_state), dtype=torch.uint8))
-    else:
-        gen.manual_seed(spec.seed)
-    return gen
-
-
 def _eos_ids(eos, device) -> Optional[torch.Tensor]:
     """EOS as a tensor of ids: configs give one id, a list of them (Llama 3), or none."""
     if eos is None:
@@ -67,21 +58,17 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
     return torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
 
 
-def _scores(t, vocab: int) -> torch.Tensor:
-    """A scored prompt's logits on the CPU ([0, V] for a prompt of one token, which has none)."""
-    return t.cpu() if isinstance(t, torch.Tensor) else torch.empty(0, vocab)
-
-
 def _running_batch(config, ctx: StageContext, module, layers: int):
     """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``, its first
     blocks ``kv_reserve`` of this stage's weight bytes) or in transformers' DynamicCache, left-padded."""
-    if getattr(ctx, "kv_cache", "dynamic") == "paged":
+    if ctx.kv_cache == "paged":
         from .kv_pool import initial_blocks
         from .paged_running import PagedBatch
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         return PagedBatch(config, block_size=ctx.kv_block_size,
                           initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
-                                                        ctx.kv_reserve * weights))
+                                                        ctx.kv_reserve * weights),
+                          prefix_cache=ctx.prefix_cache)
     from .running import RunningBatch
     return RunningBatch()
 
@@ -112,6 +99,12 @@ class CausalLMRunner(GenerativeRunner):
         """The model's sequences between steps (token-level generation)."""
         self.lora = None
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
+        paged = getattr(self.running, "paged", False)
+        self.decode = DecodeCompiler(base, ctx.compile_decode, ctx.device, graphs=paged)
+        """The backbone, compiled for decode steps without adapters (``decode_compile``); CUDA graphs for the
+        paged pool, whose decode gathers then come in few widths."""
+        if paged and self.decode.enabled and self.decode.device_type == "cuda":
+            self.running.cache.pow2_width = True
 
     def _dtype(self) -> torch.dtype:
         p = next(iter(self.module.parameters()), None)
@@ -133,7 +126,8 @@ class CausalLMRunner(GenerativeRunner):
             kwargs["input_ids"] = x
         else:
             kwargs["inputs_embeds"] = x
-        hidden = self.base(**kwargs).last_hidden_state
+        decode = x.shape[1] == 1 and (self.lora is None or not self.lora.applying)
+        hidden = self.decode(decode, **kwargs).last_hidden_state
         if not self.ctx.is_last:
             return hidden
         last = getattr(cache, "last_index", None)  # paged: one ragged row, each sequence's last token
@@ -233,6 +227,11 @@ class CausalLMRunner(GenerativeRunner):
     def host_kv_bytes(self) -> int:
         return self.running.kv_bytes() if self.running.parked else 0
 
+    def release_resident(self) -> int:
+        """Also drops the compiled decode step (its CUDA graphs hold device memory of this residency)."""
+        self.decode.release()
+        return super().release_resident()
+
     def park_running(self, recompute) -> ParkResult:
         """The model leaves the device: drop the sequences to be recomputed (their sampling generators'
         states go back to the master) and park the others' KV caches in host memory."""
@@ -247,6 +246,10 @@ class CausalLMRunner(GenerativeRunner):
 
     def drop_all(self) -> None:
         self.running.clear()
+
+    def forget_prefixes(self) -> None:
+        """An adapter left: the paged pool's cached prompt blocks are not reused (``PagedBatch``)."""
+        self.running.forget_prefixes()
 
     def _chain(self, x, mask, new: int, cache, failed: bool, score=None):
         """One forward through the pipeline: receive, run this stage, pass on.
@@ -297,7 +300,7 @@ class CausalLMRunner(GenerativeRunner):
         share one prefill row, copied into each of them after the forward.
         """
         from .running import RunningBatch
-        from .sampling import SeqSampler, pick, prompt_logprobs
+        from .sampling import SeqSampler, pick, prompt_logprobs, scored_logits, seq_generator
         ctx, g, dev = self.ctx, self.ctx.groups, self.ctx.device
         rb: RunningBatch = self.running
         rb.drop(cmd.drop)
@@ -307,7 +310,8 @@ class CausalLMRunner(GenerativeRunner):
         n_run, admit = len(rb), list(cmd.admit)
         paged = getattr(rb, "paged", False)  # one ragged row: no padding, so never a forward apart
         if paged:  # uniq: a spec per prefill row (a chunk, or a whole prompt); admit: those complete now
-            uniq, prompts, admit, share = rb.pieces(admit, cmd.fill)
+            uniq, ends, admit, share = rb.pieces(admit, cmd.fill)
+            prompts = [list(a.prompt) for a in uniq]
         else:
             firsts, share = rb.shared_prefill(admit)
             uniq = [admit[i] for i in firsts]
@@ -326,7 +330,13 @@ class CausalLMRunner(GenerativeRunner):
         pad = int(self.batching_defaults().pad_token_id)
         apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit and not paged)
         if paged:
-            ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype())
+            ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype(),
+                                              [rb.cache_seed(a) for a in uniq], ends)
+            if not width:  # only chunks the prefix cache held (the same on every rank): nothing to run
+                if failed:
+                    rb.clear()
+                    raise err
+                return StepResult(kv_restored_bytes=restored, kv_restore_s=t_restore)
             score = {n_run + j: n for j, n in score.items()}
             forwards = [(rb.token_rows(rows), ids, mask, width, rb.cache, score)]
         elif apart:  # (adapters of the rows, input ids, mask, new columns, cache, scored rows) of each forward
@@ -349,7 +359,7 @@ class CausalLMRunner(GenerativeRunner):
         if ctx.is_output_rank and not failed:
             try:
                 y = y.cpu()[index]
-                generators = {a.sid: _generator(a) for a in admit}
+                generators = {a.sid: seq_generator(a) for a in admit}
                 gens = {**rb.generators, **generators}
                 samplers = {a.sid: SeqSampler(a, gens.get(a.sid)) for a in admit}
                 specs = [rb.specs[s] for s in rb.sids] + admit
@@ -357,7 +367,7 @@ class CausalLMRunner(GenerativeRunner):
                 picked[0].copy_(toks.to(dev))
                 picked[1].copy_(torch.tensor(ends, dtype=torch.int64))
                 offset = 0 if apart else n_run
-                plps = {a.sid: prompt_logprobs(_scores(score.get(offset + share[i]), y.shape[-1]), a.prompt,
+                plps = {a.sid: prompt_logprobs(scored_logits(score.get(offset + share[i]), y.shape[-1]), a.prompt,
                                                a.prompt_logprobs)
                         for i, a in enumerate(admit) if share[i] in scored and a.prompt_logprobs is not None}
             except Exception as exc:  # noqa: BLE001
@@ -381,4 +391,4 @@ class CausalLMRunner(GenerativeRunner):
         rb.drop(ended)
         return StepResult(sids=tuple(sids), tokens=tuple(toks), ended=tuple(ended), running=len(rb),
                           kv_restored_bytes=restored, kv_restore_s=t_restore, logprobs=lps, prompt_logprobs=plps,
-                          prefill_tokens=sum(len(p) for p in prompts))
+                          prefill_tokens=rb.prefilled if paged else sum(len(p) for p in prompts))

@@ -18,7 +18,8 @@ module, not in its state.
 Weight-first (where packing is off or unavailable): with more than one intra-op thread and
 ``2 <= M <= MAX_ROWS``, ``(W @ x^T)^T`` (the bias added by the same ``addmm``), returned contiguous as
 ``F.linear`` would; in the same run, with two threads, that took 0.39-1.07x as long as ``x @ W^T`` for
-opt-125m's Linears at 2 to 64 rows (most at 2 and 4). Everywhere else, and on every other device, it is ``F.linear``. Either way the sums
+opt-125m's Linears at 2 to 64 rows (most at 2 and 4). Everywhere else, on every other device and inside a
+compiled trace (``decode_compile``: inductor picks its own kernel), it is ``F.linear``. Either way the sums
 are the same products in another order: results agree with ``F.linear`` to float rounding, as a batched row
 already differs from the same row computed alone.
 
@@ -72,7 +73,7 @@ def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn.Module] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on a packed weight held by ``holder`` where it packs, else weight-first
     where that is faster (see the module's docstring)."""
-    if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype:
+    if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     if _packs(x, weight, holder):
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(holder, weight), bias, "none", [], "")

@@ -12,7 +12,8 @@ the model's own (``config._attn_implementation``: sdpa, eager with soft-capping,
 goes through transformers' attention interface runs unchanged.
 
 The pool grows (doubling, one copy per layer) when a step needs more blocks than are free; it starts at
-``initial_blocks``. ``park`` copies the blocks in use only (renumbered to the front of the pool) to host
+``initial_blocks``. Prompts may start with blocks cached by earlier ones (``prepare``'s ``joins``; the
+policy is ``BlockTables``'). ``park`` copies the blocks in use only (renumbered to the front of the pool) to host
 memory and frees the device pool; ``unpark`` brings them back.
 """
 from __future__ import annotations
@@ -72,8 +73,12 @@ class PagedKV:
         self._read: Optional[torch.Tensor] = None
         self._shape: Optional[Tuple[int, int]] = None  # (rows, keys per row) of a decode step's gather
         self.batched = False
+        self.pow2_width = False
+        """Decode gathers as wide as the next power of two (>= 16): few distinct shapes, one CUDA graph each
+        (``decode_compile``); the extra columns are masked. The pools are then marked static addresses."""
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
+        self.counts: List[int] = []  # the step's computed tokens per row (a cached prefix is not)
 
     # ---- transformers' Cache interface, as the models use it ------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -99,7 +104,7 @@ class PagedKV:
         """The layer's pool at the table's current size (a first allocation, or a grown copy)."""
         slots = self.tables.num_blocks * self.tables.block_size
         heads, _, dim = like.shape
-        new = [torch.empty((heads, slots, dim), dtype=like.dtype, device=like.device) for _ in range(2)]
+        new = [self._pool((heads, slots, dim), like.dtype, like.device) for _ in range(2)]
         old = (self.keys.get(layer_idx), self.values.get(layer_idx))
         for n, o in zip(new, old):
             if o is not None:
@@ -107,11 +112,22 @@ class PagedKV:
         self.keys[layer_idx], self.values[layer_idx] = new
         return new
 
+    def _pool(self, shape, dtype, device) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if self.pow2_width:  # written in place by a CUDA graph: a static input, or inductor skips the graph
+            torch._dynamo.mark_static_address(t)
+        return t
+
     # ---- one step ------------------------------------------------------------------
-    def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype):
+    def prepare(self, new_tokens: Sequence[Tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                joins: Optional[Dict[int, Tuple[Sequence[int], Optional[str]]]] = None):
         """Reserve the step's slots: ``new_tokens`` is ``(sid, count)`` per sequence in row order (running
-        ones with 1, joining ones with their prompt length). Returns the attention mask (a 4D additive mask,
-        or a mapping of them by layer type where the model has several) for one of two layouts:
+        ones with 1, joining ones with their prompt length). ``joins`` (prefix caching): ``{sid: (prompt,
+        adapter name or "", or None for no cache)}`` of joining sequences, each of which starts with its
+        prompt's cached prefix and counts only the rest (``self.counts``: each row's count, as computed), in
+        row order, then registers its full prompt blocks, so that a later row of this very step may share
+        them (each layer writes the step's keys before it reads). Returns the attention mask (a 4D additive
+        mask, or a mapping of them by layer type where the model has several) for one of two layouts:
 
         - a decode step (every count 1): a batch of rows ``[B, 1]``, each row's keys gathered from its
           blocks into ``[B, kv_heads, L, head_dim]`` (``L`` the longest; the mask ``[B, 1, 1, L]`` hides
@@ -121,19 +137,36 @@ class PagedKV:
           ``[1, 1, T, S]``.
 
         ``self.batched`` says which; ``position_ids`` ([B, 1] or [1, T]) and ``last_index`` (None, or the
-        ragged row's index of each sequence's last token) go with it."""
-        need = sum(self.tables.blocks_needed(sid, n) for sid, n in new_tokens)
-        if need > self.tables.free_blocks:  # grown here, so that the appends below cannot raise PoolFull
+        ragged row's index of each sequence's last token) go with it.
+
+        Chunked prefill: a sequence part-way through its prompt is in ``joins`` too (its newly full blocks
+        are registered) but attaches nothing; a row may then compute no token at all (its chunk was cached)."""
+        joins, write, counts = joins or {}, [], []
+        new = {sid for sid, _ in new_tokens if sid in joins and sid not in self.tables.tables}  # they attach
+        bs = self.tables.block_size
+        need = sum(self.tables.blocks_needed(sid, max(0, n - bs * len(self.tables.cached_prefix(*joins[sid])))
+                                             if sid in new else n) for sid, n in new_tokens)
+        if need > self.tables.free_blocks:  # one growth for the step, as far as the cache can tell
             self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
+        for sid, n in new_tokens:
+            prompt, seed = joins.get(sid, ((), None))
+            if sid in new:  # a first chunk may end inside the cached prefix: it then computes nothing
+                n = max(0, n - self.tables.attach(sid, prompt, seed))
+            need = self.tables.blocks_needed(sid, n)
+            if need > self.tables.free_blocks:  # so that the append below cannot raise PoolFull
+                self.tables.grow(max(2 * self.tables.num_blocks, self.tables.used_blocks + need))
+            write += self.tables.append(sid, n)
+            self.tables.register(sid, prompt, seed)
+            counts.append(n)
+        new_tokens, self.counts = list(zip([sid for sid, _ in new_tokens], counts)), counts
         self.batched = all(n == 1 for _, n in new_tokens)
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        write: List[int] = []
-        for sid, n in new_tokens:
-            write += self.tables.append(sid, n)
         self._write = as_t(write)
         lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
         if self.batched:
             width = max(lengths)
+            if self.pow2_width:
+                width = max(16, 1 << (width - 1).bit_length())
             read: List[int] = []
             for sid, _ in new_tokens:
                 own = self.tables.slots(sid)
@@ -223,7 +256,7 @@ class PagedKV:
         for layer, (k, v) in self.parked.items():
             new = []
             for t in (k, v):
-                d = torch.empty((t.shape[0], slots, t.shape[2]), dtype=t.dtype, device=device)
+                d = self._pool((t.shape[0], slots, t.shape[2]), t.dtype, device)
                 d[:, :t.shape[1]].copy_(t, non_blocking=True)
                 new.append(d)
             self.keys[layer], self.values[layer] = new

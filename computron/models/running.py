@@ -51,6 +51,9 @@ class SequenceBook:
     def __len__(self) -> int:
         return len(self.sids)
 
+    def forget_prefixes(self) -> None:
+        """No cached prompt KV may be used again (a padded batch caches none; the paged pool does)."""
+
     def generator_states(self, sids: Iterable[int]) -> Dict[int, bytes]:
         return {s: bytes(self.generators[s].get_state().numpy().tobytes()) for s in sids if s in self.generators}
 

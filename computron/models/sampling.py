@@ -159,6 +159,21 @@ class SeqSampler:
         return ends
 
 
+def seq_generator(spec) -> torch.Generator:
+    """A sequence's own sampling generator: seeded, or restored where its sequence was paused."""
+    gen = torch.Generator(device="cpu")
+    if spec.gen_state is not None:
+        gen.set_state(torch.frombuffer(bytearray(spec.gen_state), dtype=torch.uint8))
+    else:
+        gen.manual_seed(spec.seed)
+    return gen
+
+
+def scored_logits(t, vocab: int) -> torch.Tensor:
+    """A scored prompt's logits on the CPU ([0, V] for a prompt of one token, which has none)."""
+    return t.cpu() if isinstance(t, torch.Tensor) else torch.empty(0, vocab)
+
+
 def pick(logits: torch.Tensor, specs: List[object], samplers: Dict[int, SeqSampler],
          generators: Dict[int, torch.Generator]) -> Tuple[torch.Tensor, List[bool], Tuple[object, ...]]:
     """The step's token for every row of ``logits`` [B, V] (row ``i`` is ``specs[i]``'s sequence), whether
@@ -181,4 +196,5 @@ def pick(logits: torch.Tensor, specs: List[object], samplers: Dict[int, SeqSampl
     return tokens, ends, (tuple(logprobs) if any(x is not None for x in logprobs) else ())
 
 
-__all__ = ["sample_rows", "sample", "pick", "SeqSampler", "token_logprob", "prompt_logprobs", "top_logprobs"]
+__all__ = ["sample_rows", "sample", "pick", "SeqSampler", "token_logprob", "prompt_logprobs", "top_logprobs",
+           "scored_logits", "seq_generator"]

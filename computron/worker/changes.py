@@ -93,6 +93,9 @@ class ModelChanges:
         slots = self.lora.get(cmd.model_id)
         if slots is not None and cmd.adapter_id in slots.adapters():
             slots.remove(cmd.adapter_id)
+            runner = self.runners.get(cmd.model_id)
+            if runner is not None:
+                runner.forget_prefixes()
         self._reply_adapter(cmd, t0, slots)
 
     def _reply_adapter(self, cmd, t0: float, slots) -> None:

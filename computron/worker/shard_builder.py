@@ -78,7 +78,8 @@ class ShardBuilder:
         ctx = StageContext(groups=self.groups, device=self.device, model_id=mid,
                            scatter_from=None if while_serving else 0, kv_cache=self.config.kv_cache,
                            kv_block_size=self.config.kv_block_size, kv_reserve=self.config.kv_reserve,
-                           pack_linears=self.config.pack_cpu_linears)
+                           pack_linears=self.config.pack_cpu_linears, prefix_cache=self.config.prefix_cache,
+                           compile_decode=self.config.compile_decode)
         runner, source = self._from_checkpoint(mid, mc, ctx)
         if runner is None:
             if while_serving and ctx.tp > 1:

@@ -78,3 +78,29 @@ def test_paged_engine_matches_hf_with_joins_leaves_and_preemption(paged, ckpts):
         assert toks == want, f"{family} {layout}, prompt {i} ({LENGTHS[i]} tokens): engine {toks} != {want}"
     swaps = [r for r in engine.metrics("load")]
     assert len(swaps) > len(SERVED), "three models for two slots: some model was swapped back in"
+
+
+
+@pytest.mark.timeout(300)
+def test_a_repeated_system_prompt_is_prefilled_once(paged, ckpts):
+    """Two requests share a 20-token system prompt (five blocks of 4): the second, sent once the first ended,
+    computes its own 3 tokens only, and both answers equal transformers' (each layout: every rank's pool
+    caches the same blocks)."""
+    engine, layout = paged
+    system, tails = _prompts("llama-system", (20,))[0], _prompts("llama-tails", (3, 3))
+    prompts = [system + t for t in tails]
+    before = len(engine.metrics())
+
+    async def go():
+        outs = []
+        for p in prompts:
+            outs.append([int(t) async for t in engine.stream("llama", {"input_ids": p, "max_tokens": 6},
+                                                              timeout=REQUEST_TIMEOUT_S)])
+        return outs
+
+    outs = asyncio.run(go())
+    for p, toks in zip(prompts, outs):
+        assert toks == greedy_reference(_hf(ckpts["llama"]), p, 6).tolist(), layout
+    prefilled = [r.prefill_tokens for r in engine.metrics()[before:]
+                 if r.kind == "step" and r.admitted and r.model_id == "llama"]
+    assert prefilled == [23, 3], layout
