@@ -109,7 +109,8 @@ def main(argv=None) -> int:
         from computron.models.cpu_linear import use_cpu_kernels
         use_cpu_kernels(model, pack=True)
     eager = DecodeCompiler(model.base_model, "off", dev)
-    compiled = {kind: DecodeCompiler(model.base_model, "on", dev, graphs=kind == "paged")  # as a runner has it
+    compiled = {kind: DecodeCompiler(model.base_model, "on", dev, graphs=kind == "paged",  # as a runner has it
+                                     eager_first=args.worker_linears and dev.type == "cpu")
                 for kind in ("dynamic", "paged")} if args.compile == "on" else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, min(1000, model.config.vocab_size), (int(n),), generator=gen).tolist()

@@ -100,7 +100,8 @@ class CausalLMRunner(GenerativeRunner):
         self.lora = None
         """``lora.slots.LoraSlots`` once an adapter was added: applies each row's adapter in a step."""
         paged = getattr(self.running, "paged", False)
-        self.decode = DecodeCompiler(base, ctx.compile_decode, ctx.device, graphs=paged)
+        self.decode = DecodeCompiler(base, ctx.compile_decode, ctx.device, graphs=paged,
+                                     eager_first=ctx.pack_linears and ctx.device.type == "cpu")
         """The backbone, compiled for decode steps without adapters (``decode_compile``); CUDA graphs for the
         paged pool, whose decode gathers then come in few widths."""
         if paged and self.decode.enabled and self.decode.device_type == "cuda":

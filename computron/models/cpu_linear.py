@@ -56,13 +56,27 @@ def weight_first(flat: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.T
 
 def packed_weight(holder: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in oneDNN's layout, packed on first use and again whenever the weight's storage or contents
-    changed (its data pointer or version counter: a load into another buffer, a copy into this one)."""
+    changed (its data pointer or version counter: a load into another buffer, a copy into this one). The pack
+    is also the holder's ``packed`` attribute, which a compiled step reads (``linear``)."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     held = holder.__dict__.get(_PACK)
     if held is None or held[0] != key:
         held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
         holder.__dict__[_PACK] = held
+        holder.packed = held[1]
     return held[1]
+
+
+@torch.library.custom_op("computron::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """oneDNN's matmul on a packed weight, as one opaque operator: inside a compiled step inductor fuses what
+    surrounds it and calls this for the product (its own CPU matmul is slower here)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -> bool:
@@ -73,7 +87,12 @@ def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn.Module] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on a packed weight held by ``holder`` where it packs, else weight-first
     where that is faster (see the module's docstring)."""
-    if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the pack an eager step made (none where it does not pack)
+        packed = getattr(holder, "packed", None) if holder is not None else None
+        if packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2:
+            return F.linear(x, weight, bias)
+        return packed_linear(x, packed, bias, weight.shape[0])
+    if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if _packs(x, weight, holder):
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(holder, weight), bias, "none", [], "")
@@ -117,6 +136,7 @@ def release_packs(module: nn.Module) -> int:
     freed = 0
     for sub in module.modules():
         held = sub.__dict__.pop(_PACK, None)
+        sub.__dict__.pop("packed", None)
         if held is not None:
             freed += held[1].numel() * held[1].element_size()
     return freed

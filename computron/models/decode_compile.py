@@ -79,8 +79,12 @@ REGISTRY = _Registry()
 class DecodeCompiler:
     """Runs a backbone ``module``: compiled for decode steps where ``enabled``, eager otherwise."""
 
-    def __init__(self, module: torch.nn.Module, setting: str, device: torch.device, graphs: bool = True):
+    def __init__(self, module: torch.nn.Module, setting: str, device: torch.device, graphs: bool = True,
+                 eager_first: bool = False):
         self.module = module
+        self.eager_first = eager_first
+        """A residency's first decode step runs eagerly (it packs the CPU Linears, ``cpu_linear``, whose packs
+        the compiled step then reads)."""
         self.graphs = graphs
         self.device_type = torch.device(device).type
         self.enabled = wants_compile(setting, self.device_type)
@@ -88,6 +92,8 @@ class DecodeCompiler:
         """Compilation failed once: eager from then on (warned once)."""
         self.compiled: Optional[Callable] = None
         self.compiles = 0
+        self.warmed = False
+        """This residency ran its first decode step eagerly (``eager_first``)."""
         """How many times a compiled forward was made (once per residency that decoded)."""
 
     @property
@@ -98,6 +104,9 @@ class DecodeCompiler:
         if not decode or not self.enabled or self.failed:
             return self.module(**kwargs)
         if self.compiled is None:
+            if self.eager_first and not self.warmed:
+                self.warmed = True
+                return self.module(**kwargs)
             self.compiled = torch.compile(self.module, dynamic=True, mode=compile_mode(self.device_type, self.graphs))
             self.compiles += 1
             REGISTRY.add(id(self))
@@ -114,7 +123,7 @@ class DecodeCompiler:
     def release(self) -> bool:
         """Drop the compiled forward (the model left the device); True where it held one."""
         held = self.compiled is not None
-        self.compiled = None
+        self.compiled, self.warmed = None, False
         if REGISTRY.remove(id(self)):
             torch.compiler.reset()
         return held

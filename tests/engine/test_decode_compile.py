@@ -75,6 +75,8 @@ def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache):
         got = _serve(runner)
     assert runner.decode.enabled and not runner.decode.failed, "compiled on, and no fallback to eager"
     assert runner.decode.active and runner.decode.compiles == 1, "compiled once, lazily, and held"
+    packed = [m for m in runner.module.modules() if getattr(m, "packed", None) is not None]
+    assert packed, "the compiled step ran the Linears on the packs its first (eager) decode step made"
     for sid, (prompt, toks) in got.items():
         want = reference_generate(model, prompt, MAX_TOKENS[sid]).tolist()
         assert toks == want, f"{kv_cache}, sequence {sid}: compiled {toks} != generate {want}"

@@ -140,6 +140,8 @@ def test_runner_compiles_decode_steps_only_without_adapters(fake_compile):
         assert not runner.decode.active, "a decode step with adapters stays eager"
         runner.lora = None
         runner._stage_forward(ids[:, :1], torch.ones(1, 5), None, cache)
+        assert not runner.decode.active, "a residency's first decode step packs the CPU Linears, eagerly"
+        runner._stage_forward(ids[:, :1], torch.ones(1, 6), None, cache)
     assert runner.decode.active and fake_compile["calls"] == 1
     runner.release_resident()
     assert not runner.decode.active and fake_compile["resets"] == 1, "the offload path drops it"
