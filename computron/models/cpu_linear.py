@@ -40,6 +40,13 @@ MAX_ROWS = 64
 PACK_ROWS = 16
 """The row count oneDNN lays a packed weight out for: a decode batch's size (any row count runs on it)."""
 
+PACK_MIN = 100_000
+"""The fewest weight elements worth packing. A smaller Linear keeps ``F.linear``: oneDNN's call costs about
+12 us more than MKL's on such a weight, and its pack about 0.1 ms more per load, against a product of a few
+microseconds (opt-tiny's 64 x 64 to 512 x 64: 15-44 us packed against 3-35 us; from 512 x 512 packing wins at
+8 rows and more; one thread). Packing every Linear of opt-tiny made ``benchmarks/burst.py`` serve 0.84x the
+requests per second."""
+
 _PACK = "_computron_packed"
 
 
@@ -81,6 +88,7 @@ def _(x, packed, bias, out_features):
 
 def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -> bool:
     return (holder is not None and getattr(holder, "pack_weights", False) and weight.dtype == torch.float32
+            and weight.numel() >= PACK_MIN
             and x.dim() >= 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
@@ -148,4 +156,4 @@ def packed_bytes(module: nn.Module) -> int:
 
 
 __all__ = ["linear", "weight_first", "packed_weight", "FewRowLinear", "use_cpu_kernels", "release_packs",
-           "packed_bytes", "packing_available", "MAX_ROWS", "PACK_ROWS"]
+           "packed_bytes", "packing_available", "MAX_ROWS", "PACK_MIN", "PACK_ROWS"]

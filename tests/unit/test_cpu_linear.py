@@ -90,7 +90,14 @@ class OneRank:
     tp_rank = property(lambda self: 0)
 
 
-def test_a_cpu_runner_swaps_its_linears_and_generates_what_plain_linears_do(threads, tmp_path):
+@pytest.fixture
+def pack_any_size(monkeypatch):
+    """Pack the small weights of these tests too (the engine packs from ``PACK_MIN`` elements)."""
+    from computron.models import cpu_linear
+    monkeypatch.setattr(cpu_linear, "PACK_MIN", 0)
+
+
+def test_a_cpu_runner_swaps_its_linears_and_generates_what_plain_linears_do(threads, tmp_path, pack_any_size):
     """``make_runner`` on a CPU device swaps the model's Linears to packed ones; greedy generation of a padded
     batch (a prefill of 4 x 6 rows, decode steps of 4) with two threads gives the plain model's tokens, and
     ``release_resident`` (the model leaves) drops every packed weight."""
@@ -130,7 +137,7 @@ def _packed_linear(out_f, in_f, bias=True):
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 48), (2, 48), (9, 48), (100, 48), (3, 5, 48), (0, 48)])
-def test_packed_equals_f_linear_in_every_shape(shape, bias, threads):
+def test_packed_equals_f_linear_in_every_shape(shape, bias, threads, pack_any_size):
     threads(1)
     torch.manual_seed(len(shape) + shape[0])
     lin, x = _packed_linear(96, 48, bias), torch.randn(*shape)
@@ -143,7 +150,7 @@ def test_packed_equals_f_linear_in_every_shape(shape, bias, threads):
 
 
 @needs_onednn
-def test_a_pack_is_made_once_and_again_when_the_weight_changes():
+def test_a_pack_is_made_once_and_again_when_the_weight_changes(pack_any_size):
     lin, x = _packed_linear(32, 16), torch.randn(4, 16)
     with torch.no_grad():
         lin(x)
@@ -158,7 +165,7 @@ def test_a_pack_is_made_once_and_again_when_the_weight_changes():
 
 
 @needs_onednn
-def test_packing_stays_out_of_autograd_and_of_other_dtypes():
+def test_packing_stays_out_of_autograd_and_of_other_dtypes(pack_any_size):
     lin = _packed_linear(32, 16)
     out = lin(torch.randn(4, 16))                 # gradients on: F.linear, differentiable
     assert out.grad_fn is not None and packed_bytes(lin) == 0
@@ -167,3 +174,14 @@ def test_packing_stays_out_of_autograd_and_of_other_dtypes():
         x = torch.randn(4, 16, dtype=torch.float64)
         torch.testing.assert_close(lin64(x), F.linear(x, lin64.weight, lin64.bias))
     assert packed_bytes(lin64) == 0
+
+
+@needs_onednn
+def test_a_weight_under_pack_min_keeps_f_linear_and_one_at_it_packs():
+    from computron.models.cpu_linear import PACK_MIN
+    small, big = _packed_linear(64, 64), _packed_linear(PACK_MIN // 50, 50)
+    with torch.no_grad():
+        for lin in (small, big):
+            x = torch.randn(3, lin.in_features)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert packed_bytes(small) == 0 and packed_bytes(big) == PACK_MIN * 4
