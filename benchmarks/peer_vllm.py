@@ -216,8 +216,9 @@ def main(argv=None) -> int:
             except RuntimeError as exc:
                 return skipped(f"vLLM did not start: {exc}")
             urls["vllm"] = f"http://127.0.0.1:{theirs_port}"
-        for url in urls.values():  # warm-up, not counted
-            asyncio.run(run_load(url, "smol", 1, 1, 8))
+        for url in urls.values():  # warm-up at each concurrency (compiled steps compile here), not counted
+            for c in args.concurrency:
+                asyncio.run(run_load(url, "smol", c, c, 8))
         out = {"bench": "peer_vllm", "model": "SmolLM2-135M-Instruct fp32", "n": args.n,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "engine": engine}
         texts = {k: {} for k in urls}

@@ -229,8 +229,8 @@ class CausalLMRunner(GenerativeRunner):
         return self.running.kv_bytes() if self.running.parked else 0
 
     def release_resident(self) -> int:
-        """Also drops the compiled decode step (its CUDA graphs hold device memory of this residency)."""
-        self.decode.release()
+        """Also lets the compiled decode step go where it holds device memory (``DecodeCompiler.offload``)."""
+        self.decode.offload()
         return super().release_resident()
 
     def park_running(self, recompute) -> ParkResult:
@@ -246,7 +246,9 @@ class CausalLMRunner(GenerativeRunner):
         self.running.drop(sids)
 
     def drop_all(self) -> None:
+        """Also drops the compiled decode step (the model is removed)."""
         self.running.clear()
+        self.decode.release()
 
     def forget_prefixes(self) -> None:
         """An adapter left: the paged pool's cached prompt blocks are not reused (``PagedBatch``)."""

@@ -75,7 +75,8 @@ def packed_weight(holder: nn.Module, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("computron::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                  out_features: int) -> torch.Tensor:
     """oneDNN's matmul on a packed weight, as one opaque operator: inside a compiled step inductor fuses what
     surrounds it and calls this for the product (its own CPU matmul is slower here)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

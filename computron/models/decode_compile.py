@@ -20,9 +20,10 @@ An error of the model itself (raised by the compiled code as eager code raises i
 Limits: dynamo keeps ``torch._dynamo.config.cache_size_limit`` (8) compiled variants per code object, shared
 by every model of one class in the process; past that it runs the forward eagerly (dynamo logs it).
 
-Release: when the model leaves the device ``release()`` drops the compiled forward (and the CUDA graphs'
-memory with it). Dynamo's code cache and CUDA-graph pools are process-wide (``torch.compiler.reset``), so
-they are reset when the last compiled model of the process is released (``_Registry``).
+Release: when the model leaves the device ``offload()`` drops the compiled forward on CUDA (and the CUDA
+graphs' memory with it) and keeps it on a CPU; ``release()`` drops it for good (the model is removed).
+Dynamo's code cache and CUDA-graph pools are process-wide (``torch.compiler.reset``), so they are reset when
+the last compiled model of the process is released (``_Registry``).
 """
 from __future__ import annotations
 
@@ -103,10 +104,10 @@ class DecodeCompiler:
     def __call__(self, decode: bool, **kwargs):
         if not decode or not self.enabled or self.failed:
             return self.module(**kwargs)
+        if self.eager_first and not self.warmed:
+            self.warmed = True
+            return self.module(**kwargs)
         if self.compiled is None:
-            if self.eager_first and not self.warmed:
-                self.warmed = True
-                return self.module(**kwargs)
             self.compiled = torch.compile(self.module, dynamic=True, mode=compile_mode(self.device_type, self.graphs))
             self.compiles += 1
             REGISTRY.add(id(self))
@@ -120,8 +121,19 @@ class DecodeCompiler:
             self.release()
             return self.module(**kwargs)
 
+    def offload(self) -> bool:
+        """The model left the device: on CUDA drop the compiled forward (its CUDA graphs hold memory of this
+        residency); on a CPU keep it, for it holds code only and the next residency's weights are its inputs
+        (a CPU compilation took 50-100 s here), and run that residency's first decode step eagerly again
+        (``eager_first``). True where the compiled forward was dropped."""
+        if self.device_type == "cpu":
+            self.warmed = False
+            return False
+        return self.release()
+
     def release(self) -> bool:
-        """Drop the compiled forward (the model left the device); True where it held one."""
+        """Drop the compiled forward (the model left the device for good, or its CUDA graphs' memory must go);
+        True where it held one."""
         held = self.compiled is not None
         self.compiled, self.warmed = None, False
         if REGISTRY.remove(id(self)):

@@ -1,7 +1,8 @@
 """``EngineConfig.compile_decode='on'`` on a CPU (inductor): a causal LM's runner, built in this process as a
 worker builds it, serves sequences joining and leaving at different steps (so the decode batch changes size
 and the keys' width grows) through its compiled decode step, and every sequence's greedy tokens equal
-transformers' ``generate`` of its prompt alone; the model leaving the device drops the compiled forward.
+transformers' ``generate`` of its prompt alone, the Linears running on their packed weights inside the compiled
+step; a CPU offload keeps the compiled forward and removing the model drops it.
 One rank (a "fake" process group of one: no collective runs), each KV layout."""
 import pytest
 import torch
@@ -65,20 +66,25 @@ def _serve(runner):
 
 
 @pytest.mark.parametrize("kv_cache", ["dynamic", "paged"])
-def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache):
+def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, monkeypatch):
+    from computron.models import cpu_linear
+    monkeypatch.setattr(cpu_linear, "PACK_MIN", 0)  # llama-tiny's Linears packed too, as a real model's are
     model = random_causal_lm("llama-tiny", seed=0)
     ctx = StageContext(OneRank(), torch.device("cpu"), "m", scatter_from=None, kv_cache=kv_cache,
                        kv_block_size=4, compile_decode="on")
     runner = make_runner(random_causal_lm("llama-tiny", seed=0), ModelConfig("m", random_causal_lm,
                                                                               {"name": "llama-tiny"}), ctx)
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = _serve(runner)
+    ops = {e.key for e in prof.key_averages()}
     assert runner.decode.enabled and not runner.decode.failed, "compiled on, and no fallback to eager"
     assert runner.decode.active and runner.decode.compiles == 1, "compiled once, lazily, and held"
-    packed = [m for m in runner.module.modules() if getattr(m, "packed", None) is not None]
-    assert packed, "the compiled step ran the Linears on the packs its first (eager) decode step made"
+    assert cpu_linear.packing_available() <= ("computron::packed_linear" in ops), \
+        "the compiled step runs the Linears on the packs (one opaque operator each)"
     for sid, (prompt, toks) in got.items():
         want = reference_generate(model, prompt, MAX_TOKENS[sid]).tolist()
         assert toks == want, f"{kv_cache}, sequence {sid}: compiled {toks} != generate {want}"
     runner.release_resident()
-    assert not runner.decode.active and not decode_compile.REGISTRY.live, "offload drops the compiled step"
+    assert runner.decode.active and not runner.decode.warmed, "a CPU offload keeps the compiled code"
+    runner.drop_all()
+    assert not runner.decode.active and not decode_compile.REGISTRY.live, "removing the model drops it"

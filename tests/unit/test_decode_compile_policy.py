@@ -111,6 +111,23 @@ def test_release_resets_the_compiler_when_the_last_compiled_model_leaves(fake_co
     assert b.active and b.compiles == 2, "the next residency compiles again"
 
 
+def test_a_cpu_offload_keeps_the_compiled_step_a_cuda_offload_drops_it(fake_compile):
+    cpu = DecodeCompiler(Double(), "on", torch.device("cpu"), eager_first=True)
+    x = torch.ones(1, 1)
+    cpu(True, x=x)
+    assert not cpu.active and cpu.warmed, "the first decode step runs eagerly"
+    cpu(True, x=x)
+    assert cpu.active and fake_compile["calls"] == 1
+    assert not cpu.offload() and cpu.active and not cpu.warmed
+    cpu(True, x=x)
+    cpu(True, x=x)
+    assert cpu.compiles == 1 and fake_compile["calls"] == 2, "the next residency: one eager step, then the same code"
+    gpu = DecodeCompiler(Double(), "on", torch.device("cuda"))
+    gpu(True, x=x)
+    assert gpu.active and gpu.offload() and not gpu.active, "CUDA graphs' memory goes with the residency"
+    assert cpu.release() and fake_compile["resets"] == 1
+
+
 class Applying:
     """A stand-in for ``LoraSlots`` in the middle of a forward with some adapter."""
     applying = True
@@ -144,4 +161,6 @@ def test_runner_compiles_decode_steps_only_without_adapters(fake_compile):
         runner._stage_forward(ids[:, :1], torch.ones(1, 6), None, cache)
     assert runner.decode.active and fake_compile["calls"] == 1
     runner.release_resident()
-    assert not runner.decode.active and fake_compile["resets"] == 1, "the offload path drops it"
+    assert runner.decode.active and not runner.decode.warmed, "a CPU offload keeps the code, re-arms the warm-up"
+    runner.drop_all()
+    assert not runner.decode.active and fake_compile["resets"] == 1, "removing the model drops it"
