@@ -107,6 +107,10 @@ def _engine_fields() -> Dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
+_ON_OFF_FIELDS = ("compile_decode", "pin_workers")
+"""Engine fields whose values include 'on' or 'off' (a YAML file may write them bare)."""
+
+
 def parse_engine(raw: Any) -> tuple:
     """EngineConfig from a mapping whose keys are EngineConfig's fields (plus tp and pp)."""
     if raw is not None and not isinstance(raw, dict):
@@ -121,6 +125,9 @@ def parse_engine(raw: Any) -> tuple:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"engine.{unknown[0]}: unknown field (known: tp, pp, {', '.join(sorted(fields))})")
+    for name in _ON_OFF_FIELDS:  # YAML 1.1 reads a bare on / off as a boolean
+        if isinstance(raw.get(name), bool):
+            raw[name] = "on" if raw[name] else "off"
     try:
         engine = EngineConfig(**raw)
     except (TypeError, ValueError) as exc:
