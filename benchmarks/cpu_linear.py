@@ -10,6 +10,7 @@ alternating, medians of ``--repeats``:
   so that they stream from memory as in a forward), by ``F.linear``, by ``cpu_linear.weight_first``
   (forced, whatever ``cpu_linear.linear``'s rule would pick) and on weights packed for oneDNN (packed before
   the timing: a load packs once); ``ratio`` is weight-first / ``F.linear``, ``packed_ratio`` packed / ``F.linear``;
+  ``read_once``: a sum over one buffer as large as all those weights (what streaming them costs at least);
 - ``decode``: at the largest thread count, a prefill of ``--prompt`` tokens and greedy decode steps of 1
   and of ``--batch`` sequences through the whole model, its Linears plain (``F.linear``), swapped by
   ``use_cpu_kernels(pack=False)`` (weight-first for a few rows) and by ``use_cpu_kernels(pack=True)`` (the
@@ -77,6 +78,8 @@ def chain(linears, rows: int, repeats: int) -> dict:
         packs = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACK_ROWS) for lin in linears]
         forms["packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, p, lin.bias, "none", [], "")
                                    for x, p, lin in zip(xs, packs, linears)]
+    flat = torch.randn(sum(lin.weight.numel() for lin in linears))  # the weights' bytes, read once by a sum
+    forms["read_once"] = lambda: flat.sum()
     times = {name: [] for name in forms}
     with torch.no_grad():
         for name, fn in forms.items():

@@ -84,10 +84,13 @@ class EngineConfig:
     least recently used first, when the pool needs room. False prefills every prompt whole."""
     compile_decode: str = "auto"
     """A causal LM's decode steps (every row one new token) through ``torch.compile`` (``models/decode_compile``):
-    'on' on any device (inductor's C++ kernels on a CPU), 'auto' only on CUDA (CUDA graphs, mode
-    "reduce-overhead"; on a CPU compiling measured no win: docs/performance.md), 'off' eager. Prefills stay
-    eager; a model compiles on its first decode step after a load and drops it when it leaves the device; a
-    failed compilation logs one warning and runs eagerly."""
+    'on' on any device (on a CPU inductor's C++ kernels around the packed Linears), 'auto' only on CUDA (CUDA
+    graphs, mode "reduce-overhead"), 'off' eager. On this project's 2-core CPU a compiled paged decode step took
+    0.82-0.86x the eager one's time, but compiling took 50-100 s on first use (once per process and architecture,
+    again for the first batch of more than one), so 'auto' does not compile there (docs/performance.md).
+    Prefills stay eager; a model compiles on its first decode step (on a CPU its second: the first packs the
+    Linears), keeps the compiled code across swaps on a CPU and drops it when it leaves a CUDA device; a failed
+    compilation logs one warning and runs eagerly."""
     metrics_history: int = 100_000
     """How many records ``Engine.metrics()`` keeps (the oldest go first; about 1 KB each); 0 keeps all.
     ``Engine.counters()`` keeps running totals that never expire."""

@@ -44,8 +44,8 @@ PACK_MIN = 100_000
 """The fewest weight elements worth packing. A smaller Linear keeps ``F.linear``: oneDNN's call costs about
 12 us more than MKL's on such a weight, and its pack about 0.1 ms more per load, against a product of a few
 microseconds (opt-tiny's 64 x 64 to 512 x 64: 15-44 us packed against 3-35 us; from 512 x 512 packing wins at
-8 rows and more; one thread). Packing every Linear of opt-tiny made ``benchmarks/burst.py`` serve 0.84x the
-requests per second."""
+8 rows and more; one thread). Packing every Linear of opt-tiny made ``benchmarks/burst.py`` serve 0.83x the
+requests per second (89 against 107, two runs each; ``benchmarks/data/burst_cpu_before_after_2026-12-04.jsonl``)."""
 
 _PACK = "_computron_packed"
 

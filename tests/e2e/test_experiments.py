@@ -403,6 +403,20 @@ def test_tp_forward_benchmark_quick_path():
 
 
 @pytest.mark.timeout(300)
+def test_kv_park_benchmark_pool_moves_the_formula_plus_partial_blocks():
+    """benchmarks/kv_park.py: the pool's park moves the sequences' KV bytes as the model's formula counts them,
+    plus at most one partly filled block per sequence; the dynamic cache's padded rows move more."""
+    doc, _ = run_main(os.path.join(ROOT, "benchmarks", "kv_park.py"), "--batch", "4", "--steps", "3")
+    paged, dynamic = doc["paged"], doc["dynamic"]
+    assert paged["tokens"] == dynamic["tokens"] == sum(doc["prompt_lengths"]) + 4 * 3
+    per_token = paged["formula_bytes"] // paged["tokens"]
+    assert paged["formula_bytes"] <= paged["moved_bytes"] < paged["formula_bytes"] + 4 * 16 * per_token
+    longest = max(doc["prompt_lengths"]) + 3
+    assert dynamic["moved_bytes"] >= 4 * (longest - 1) * per_token > paged["moved_bytes"]
+    assert doc["paged_over_dynamic"] == pytest.approx(paged["moved_bytes"] / dynamic["moved_bytes"], abs=1e-3)
+
+
+@pytest.mark.timeout(300)
 def test_cpu_linear_benchmark_quick_path():
     """benchmarks/cpu_linear.py at opt-tiny: every form timed at each thread count and row count, the ratios are
     those of the times it reports, the swapped (weight-first and packed) Linears pick the plain ones' greedy
@@ -417,6 +431,7 @@ def test_cpu_linear_benchmark_quick_path():
     for per_rows in doc["chain"].values():
         for c in per_rows.values():
             assert c["f_linear"] > 0 and c["ratio"] == pytest.approx(c["weight_first"] / c["f_linear"])
+            assert c["read_once"] > 0
             assert ("packed_ratio" in c) == packing_available()
             if packing_available():
                 assert c["packed_ratio"] == pytest.approx(c["packed"] / c["f_linear"])
