@@ -93,9 +93,9 @@ class DecodeCompiler:
         """Compilation failed once: eager from then on (warned once)."""
         self.compiled: Optional[Callable] = None
         self.compiles = 0
+        """How many times a compiled forward was made (once per residency that decoded on CUDA, once on a CPU)."""
         self.warmed = False
         """This residency ran its first decode step eagerly (``eager_first``)."""
-        """How many times a compiled forward was made (once per residency that decoded)."""
 
     @property
     def active(self) -> bool:

@@ -86,5 +86,15 @@ def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, mo
         assert toks == want, f"{kv_cache}, sequence {sid}: compiled {toks} != generate {want}"
     runner.release_resident()
     assert runner.decode.active and not runner.decode.warmed, "a CPU offload keeps the compiled code"
+    other = random_causal_lm("llama-tiny", seed=1)  # the next residency: other weights in new buffers
+    with torch.no_grad():
+        for mine, theirs in zip(runner.module.parameters(), other.parameters()):
+            mine.data = theirs.data.clone()
+    runner.forget_prefixes()  # cached prompt blocks were computed with the first weights
+    with torch.inference_mode():
+        again = _serve(runner)
+    assert runner.decode.compiles == 1, "the kept code served the next residency"
+    for sid, (prompt, toks) in again.items():
+        assert toks == reference_generate(other, prompt, MAX_TOKENS[sid]).tolist(), f"{kv_cache}, after a swap"
     runner.drop_all()
     assert not runner.decode.active and not decode_compile.REGISTRY.live, "removing the model drops it"
