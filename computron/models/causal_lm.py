@@ -313,12 +313,11 @@ class CausalLMRunner(GenerativeRunner):
         n_run, admit = len(rb), list(cmd.admit)
         paged = getattr(rb, "paged", False)  # one ragged row: no padding, so never a forward apart
         if paged:  # uniq: a spec per prefill row (a chunk, or a whole prompt); admit: those complete now
-            uniq, ends, admit, share = rb.pieces(admit, cmd.fill)
-            prompts = [list(a.prompt) for a in uniq]
+            uniq, chunk_ends, admit, share = rb.pieces(admit, cmd.fill)
         else:
             firsts, share = rb.shared_prefill(admit)
             uniq = [admit[i] for i in firsts]
-            prompts = [list(a.prompt) for a in uniq]
+        prompts = [list(a.prompt) for a in uniq]
         if not n_run and not uniq:  # only drops (every rank knows): nothing to run or to agree on
             return StepResult(kv_restored_bytes=restored, kv_restore_s=t_restore)
         scored = {share[i] for i, a in enumerate(admit) if a.prompt_logprobs is not None and not a.generated}
@@ -334,7 +333,7 @@ class CausalLMRunner(GenerativeRunner):
         apart = bool((cmd.prefill_apart or self.sliding) and n_run and admit and not paged)
         if paged:
             ids, mask, width = rb.step_inputs(prompts, [a.sid for a in uniq], dev, self._dtype(),
-                                              [rb.cache_seed(a) for a in uniq], ends)
+                                              [rb.cache_seed(a) for a in uniq], chunk_ends)
             if not width:  # only chunks the prefix cache held (the same on every rank): nothing to run
                 if failed:
                     rb.clear()
