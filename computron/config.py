@@ -70,11 +70,11 @@ class EngineConfig:
     max_step_tokens: int = 4096
     """Prompt tokens admitted (prefilled) in one step at most, so a burst of long prompts cannot stall
     the running sequences for long; a single longer prompt is still admitted alone."""
-    kv_cache: str = "dynamic"
-    """Where a causal LM keeps its running sequences' keys and values in token-level generation: 'dynamic'
-    (transformers' DynamicCache, one left-padded row per sequence, grown by a copy each step) or 'paged'
+    kv_cache: str = "paged"
+    """Where a causal LM keeps its running sequences' keys and values in token-level generation: 'paged'
     (``models/kv_pool.py``: fixed-size blocks of one preallocated pool per layer, a block table per sequence,
-    each step one ragged row without padding)."""
+    each step one ragged row without padding; prefix caching and chunked prefill need it) or 'dynamic'
+    (transformers' DynamicCache, one left-padded row per sequence, grown by a copy each step)."""
     kv_block_size: int = 16
     """Tokens per block of the paged KV pool (``kv_cache='paged'``)."""
     prefix_cache: bool = True

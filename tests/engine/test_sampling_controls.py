@@ -117,7 +117,8 @@ def test_repetition_penalty_equals_transformers_generate(checkpoints):
 def test_controls_logprobs_and_shared_prefill_sharded(checkpoints, tp, pp):
     """At TP=2 and at PP=2: controls equal the reference; logprobs (generated and prompt) equal log_softmax
     of transformers' logits within 1e-4; three seeded sequences of one prompt admitted together prefill it
-    once and equal the same seeds run alone."""
+    once (the dynamic cache's shared prefill row; the paged pool shares a prompt's full blocks instead:
+    tests/unit/test_paged_batch.py) and equal the same seeds run alone."""
     path = checkpoints["llama0"]
     model = zoo.load_causal_lm(path)
     eos = (model.config.eos_token_id,)
@@ -125,7 +126,7 @@ def test_controls_logprobs_and_shared_prefill_sharded(checkpoints, tp, pp):
     shared = _prompt(7)
 
     async def go():
-        config = EngineConfig(max_batch_size=8)
+        config = EngineConfig(max_batch_size=8, kv_cache="dynamic")
         async with LaunchEngine(config, [ModelConfig("l", zoo.load_causal_lm, {"path": path})], tp, pp) as engine:
             outs = await asyncio.gather(*[_collect(engine, "l", {"input_ids": _prompt(i), "max_tokens": 8, **c})
                                           for i, c in enumerate(cases)])

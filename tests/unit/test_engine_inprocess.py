@@ -107,7 +107,8 @@ async def test_eos_ends_a_sequence_before_max_tokens_and_stream_yields_the_same_
 
 @async_test
 async def test_step_admissions_respect_the_prompt_token_budget():
-    engine, w = build_engine(max_step_tokens=5, overlap=False)
+    # whole prompts: the paged pool would prefill the second one in chunks (tests/unit/test_chunking.py)
+    engine, w = build_engine(max_step_tokens=5, overlap=False, kv_cache="dynamic")
     tasks = [await started(engine.submit("a", gen(prompt=(5, 6, 7), max_tokens=3))) for _ in range(3)]
     w.answer()  # Load
     w.answer_all()
