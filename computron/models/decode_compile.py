@@ -124,7 +124,7 @@ class DecodeCompiler:
     def offload(self) -> bool:
         """The model left the device: on CUDA drop the compiled forward (its CUDA graphs hold memory of this
         residency); on a CPU keep it, for it holds code only and the next residency's weights are its inputs
-        (a CPU compilation took 50-100 s here), and run that residency's first decode step eagerly again
+        (a CPU compilation took about a minute here), and run that residency's first decode step eagerly again
         (``eager_first``). True where the compiled forward was dropped."""
         if self.device_type == "cpu":
             self.warmed = False

@@ -23,4 +23,5 @@ def test_gpu_check_decode_row_cpu_path(tmp_path):
     for kind in ("dynamic", "paged"):
         row = rows[0][kind]
         assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and not row["fell_back"], row
+        assert row["first_pass_s"] > 0, row
         assert row["compiled_over_eager"] == pytest.approx(row["compiled_ms"] / row["eager_ms"], abs=2e-3), row
