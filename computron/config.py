@@ -68,8 +68,10 @@ class EngineConfig:
     stream, and models interleave between tokens. False runs each batch's whole generation as one
     command (request level, the paper's unit); paper_mode implies False."""
     max_step_tokens: int = 4096
-    """Prompt tokens admitted (prefilled) in one step at most, so a burst of long prompts cannot stall
-    the running sequences for long; a single longer prompt is still admitted alone."""
+    """Tokens one step runs at most, so a burst of long prompts cannot stall the running sequences for long.
+    With the paged pool it counts the decoding sequences' tokens too, and a prompt over what is left is
+    prefilled in chunks over the next steps (chunked prefill, ``engine/chunking.py``); with the dynamic cache
+    it counts prompt tokens, and a single longer prompt is admitted alone."""
     kv_cache: str = "paged"
     """Where a causal LM keeps its running sequences' keys and values in token-level generation: 'paged'
     (``models/kv_pool.py``: fixed-size blocks of one preallocated pool per layer, a block table per sequence,
