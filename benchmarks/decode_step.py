@@ -49,6 +49,19 @@ def forward(model, backbone, ids, mask, cache, positions, last):
     return model.get_output_embeddings()(hidden[0, last] if last is not None else hidden[:, -1]).float()
 
 
+def step_once(model, backbone, kind: str, rb, admit, specs, dev: torch.device) -> None:
+    """One step of ``rb`` (``admit``: the prompts joining now, with ``specs``) as ``CausalLMRunner.step`` drives
+    it, greedy."""
+    if kind == "paged":
+        ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], dev, model.dtype)
+        logits = forward(model, backbone, ids, mask, rb.cache, rb.cache.position_ids, rb.cache.last_index)
+    else:
+        ids, mask, width = rb.step_inputs(admit, 0, dev)
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -width:]
+        logits = forward(model, backbone, ids, mask, rb.cache, pos, None)
+    rb.joined(specs if admit else [], {}, mask, logits.argmax(-1))
+
+
 def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: torch.device):
     from computron.models.paged_running import PagedBatch
     from computron.models.running import RunningBatch
@@ -65,16 +78,7 @@ def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: tor
                 if profile and step == steps else contextlib.nullcontext()
             with watch:
                 t0 = time.perf_counter()
-                if kind == "paged":
-                    ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], dev,
-                                                  model.dtype)
-                    logits = forward(model, backbone, ids, mask, rb.cache, rb.cache.position_ids,
-                                     rb.cache.last_index)
-                else:
-                    ids, mask, width = rb.step_inputs(admit, 0, dev)
-                    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -width:]
-                    logits = forward(model, backbone, ids, mask, rb.cache, pos, None)
-                rb.joined(specs if admit else [], {}, mask, logits.argmax(-1))
+                step_once(model, backbone, kind, rb, admit, specs, dev)
                 sync()
                 if step:
                     times.append(time.perf_counter() - t0)

@@ -25,37 +25,23 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_step import forward  # noqa: E402 - a decode step as the runner drives it
-
-
-def formula_bytes(config, tokens: int, element_size: int = 4) -> int:
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return tokens * 2 * config.num_hidden_layers * heads * dim * element_size
+from decode_step import step_once  # noqa: E402 - a step as the runner drives it
 
 
 def serve_then_park(model, kind: str, prompts, steps: int, block_size: int) -> dict:
     from computron.models.decode_compile import DecodeCompiler
+    from computron.models.kv_pool import token_kv_bytes
     from computron.models.paged_running import PagedBatch
     from computron.models.running import RunningBatch
     backbone = DecodeCompiler(model.base_model, "off", torch.device("cpu"))
     rb = PagedBatch(model.config, block_size=block_size) if kind == "paged" else RunningBatch()
     specs = [SimpleNamespace(sid=i, max_tokens=steps + 1) for i in range(len(prompts))]
-    dev = torch.device("cpu")
     with torch.inference_mode():
         for step in range(steps + 1):
-            admit = prompts if step == 0 else []
-            if kind == "paged":
-                ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], dev, torch.float32)
-                logits = forward(model, backbone, ids, mask, rb.cache, rb.cache.position_ids, rb.cache.last_index)
-            else:
-                ids, mask, width = rb.step_inputs(admit, 0, dev)
-                pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -width:]
-                logits = forward(model, backbone, ids, mask, rb.cache, pos, None)
-            rb.joined(specs if admit else [], {}, mask, logits.argmax(-1))
+            step_once(model, backbone, kind, rb, prompts if step == 0 else [], specs, torch.device("cpu"))
     tokens = sum(len(p) + steps for p in prompts)
     moved = rb.park(copy=True) if kind == "paged" else rb.park()
-    want = formula_bytes(model.config, tokens)
+    want = tokens * token_kv_bytes(model.config)
     return {"moved_bytes": moved, "tokens": tokens, "formula_bytes": want, "moved_over_formula": round(moved / want, 3)}
 
 

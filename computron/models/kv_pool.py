@@ -42,17 +42,22 @@ def mask_kinds(config) -> Tuple[str, ...]:
     return (SLIDING,) if window and getattr(config, "use_sliding_window", True) else (FULL,)
 
 
-def initial_blocks(config, tp: int, layers: int, block_size: int, budget_bytes: float, floor: int = 16) -> int:
-    """Blocks of ``block_size`` tokens that ``budget_bytes`` hold over ``layers`` layers of a rank holding
-    1/``tp`` of the KV heads (the model's formula: 2 x kv_heads x head_dim x dtype bytes per token and
-    layer), at least ``floor``."""
+def token_kv_bytes(config, tp: int = 1, layers: Optional[int] = None) -> int:
+    """The model's formula: KV bytes of one token over ``layers`` layers (all by default) of a rank holding
+    1/``tp`` of the KV heads, 2 (K and V) x kv_heads x head_dim x the config's element size per layer."""
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     size = torch.empty((), dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32).element_size()
-    per_block = 2 * max(1, heads // max(1, tp)) * dim * size * max(1, layers) * block_size
-    return max(floor, int(budget_bytes // per_block))
+    layers = config.num_hidden_layers if layers is None else layers
+    return 2 * max(1, heads // max(1, tp)) * dim * size * max(1, layers)
+
+
+def initial_blocks(config, tp: int, layers: int, block_size: int, budget_bytes: float, floor: int = 16) -> int:
+    """Blocks of ``block_size`` tokens that ``budget_bytes`` hold over ``layers`` layers of a rank holding
+    1/``tp`` of the KV heads (``token_kv_bytes``), at least ``floor``."""
+    return max(floor, int(budget_bytes // (token_kv_bytes(config, tp, layers) * block_size)))
 
 
 class PagedKV:
@@ -269,4 +274,4 @@ def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:
     return (b[:, None] * block_size + torch.arange(block_size, device=device)[None]).reshape(-1)
 
 
-__all__ = ["PagedKV", "initial_blocks", "mask_kinds"]
+__all__ = ["PagedKV", "initial_blocks", "mask_kinds", "token_kv_bytes"]
