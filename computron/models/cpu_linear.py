@@ -28,11 +28,13 @@ swap: the same module objects, hooks and all) and sets whether every such Linear
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_gemm
 
 MAX_ROWS = 64
 """The most rows computed weight-first: the largest row count measured; a longer prefill keeps ``F.linear``."""
@@ -61,17 +63,31 @@ def weight_first(flat: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.T
     return out.t().contiguous()
 
 
-def packed_weight(holder: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in oneDNN's layout, packed on first use and again whenever the weight's storage or contents
-    changed (its data pointer or version counter: a load into another buffer, a copy into this one). The pack
-    is also the holder's ``packed`` attribute, which a compiled step reads (``linear``)."""
+BLOCKED, ONEDNN = "blocked", "onednn"
+
+
+def pack_kind() -> str:
+    """The layout a weight is packed in now: ``cpu_gemm``'s blocks where its kernel runs (one intra-op thread:
+    it is single-threaded) or where oneDNN is missing, else oneDNN's."""
+    one = torch.get_num_threads() == 1 or not packing_available()
+    return BLOCKED if one and cpu_gemm.available() else ONEDNN
+
+
+def packed_weight(holder: nn.Module, weight: torch.Tensor) -> Tuple[str, torch.Tensor]:
+    """``(kind, weight packed)``: in ``pack_kind()``'s layout, packed on first use and again whenever the
+    weight's storage or contents changed (its data pointer or version counter: a load into another buffer, a
+    copy into this one). The pack and its kind are also the holder's ``packed`` and ``packed_kind``
+    attributes, which a compiled step reads (``linear``)."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape))
     held = holder.__dict__.get(_PACK)
     if held is None or held[0] != key:
-        held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+        kind = pack_kind()
+        w = weight.detach()
+        held = (key, kind, cpu_gemm.block(w) if kind == BLOCKED else
+                torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
         holder.__dict__[_PACK] = held
-        holder.packed = held[1]
-    return held[1]
+        holder.packed, holder.packed_kind = held[2], kind
+    return held[1], held[2]
 
 
 @torch.library.custom_op("computron::packed_linear", mutates_args=())
@@ -87,8 +103,25 @@ def _(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("computron::block_linear", mutates_args=())
+def block_linear(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
+                 out_features: int) -> torch.Tensor:
+    """``cpu_gemm``'s product on a blocked weight, as one opaque operator inside a compiled step."""
+    return cpu_gemm.matmul(x, blocked, bias, out_features)
+
+
+@block_linear.register_fake
+def _(x, blocked, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
 def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -> bool:
     return (holder is not None and getattr(holder, "pack_weights", False) and weight.dtype == torch.float32
+            and x.dtype == torch.float32
             and weight.numel() >= PACK_MIN
             and x.dim() >= 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
@@ -100,14 +133,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn
         packed = getattr(holder, "packed", None) if holder is not None else None
         if packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2:
             return F.linear(x, weight, bias)
+        if holder.packed_kind == BLOCKED:
+            if _rows(x) > cpu_gemm.MAX_ROWS:
+                return F.linear(x, weight, bias)
+            return block_linear(x, packed, bias, weight.shape[0])
         return packed_linear(x, packed, bias, weight.shape[0])
     if x.device.type != "cpu" or x.dim() < 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if _packs(x, weight, holder):
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(holder, weight), bias, "none", [], "")
+        kind, packed = packed_weight(holder, weight)
+        if kind == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if _rows(x) <= cpu_gemm.MAX_ROWS:
+            return cpu_gemm.matmul(x, packed, bias, weight.shape[0])
+        return F.linear(x, weight, bias)
     if torch.get_num_threads() < 2:
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = _rows(x)
     if not 2 <= rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
     out = weight_first(x.reshape(rows, x.shape[-1]), weight, bias)
@@ -130,7 +172,7 @@ def use_cpu_kernels(module: nn.Module, pack: bool = True) -> int:
     ``pack`` (and oneDNN is there); returns how many were swapped."""
     from .._torch_compat import local_tensor
     n = 0
-    pack = pack and packing_available()
+    pack = pack and (packing_available() or cpu_gemm.available())
     for sub in module.modules():
         if type(sub) is nn.Linear and local_tensor(sub.weight) is sub.weight:
             sub.__class__ = FewRowLinear
@@ -146,15 +188,16 @@ def release_packs(module: nn.Module) -> int:
     for sub in module.modules():
         held = sub.__dict__.pop(_PACK, None)
         sub.__dict__.pop("packed", None)
+        sub.__dict__.pop("packed_kind", None)
         if held is not None:
-            freed += held[1].numel() * held[1].element_size()
+            freed += held[2].numel() * held[2].element_size()
     return freed
 
 
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of the packed weights held under ``module``."""
-    return sum(h[1].numel() * h[1].element_size() for h in (s.__dict__.get(_PACK) for s in module.modules()) if h)
+    return sum(h[2].numel() * h[2].element_size() for h in (s.__dict__.get(_PACK) for s in module.modules()) if h)
 
 
-__all__ = ["linear", "weight_first", "packed_weight", "FewRowLinear", "use_cpu_kernels", "release_packs",
+__all__ = ["linear", "weight_first", "packed_weight", "pack_kind", "BLOCKED", "ONEDNN", "FewRowLinear", "use_cpu_kernels", "release_packs",
            "packed_bytes", "packing_available", "MAX_ROWS", "PACK_MIN", "PACK_ROWS"]

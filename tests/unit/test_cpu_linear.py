@@ -135,15 +135,18 @@ def _packed_linear(out_f, in_f, bias=True):
 
 
 @needs_onednn
+@pytest.mark.parametrize("n_threads", [1, 2])  # one thread: cpu_gemm's blocks where it builds; two: oneDNN's
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 48), (2, 48), (9, 48), (100, 48), (3, 5, 48), (0, 48)])
-def test_packed_equals_f_linear_in_every_shape(shape, bias, threads, pack_any_size):
-    threads(1)
+def test_packed_equals_f_linear_in_every_shape(shape, bias, n_threads, threads, pack_any_size):
+    threads(n_threads)
     torch.manual_seed(len(shape) + shape[0])
     lin, x = _packed_linear(96, 48, bias), torch.randn(*shape)
     with torch.no_grad():
         out = lin(x)
         assert packed_bytes(lin) == 96 * 48 * 4
+        assert lin.packed_kind == cpu_linear.pack_kind()
+        assert (lin.packed_kind == cpu_linear.BLOCKED) == (n_threads == 1 and cpu_linear.cpu_gemm.available())
         torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         strided = torch.randn(shape[0], 96)[:, ::2]  # a non-contiguous input
         torch.testing.assert_close(lin(strided), F.linear(strided, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
@@ -154,9 +157,9 @@ def test_a_pack_is_made_once_and_again_when_the_weight_changes(pack_any_size):
     lin, x = _packed_linear(32, 16), torch.randn(4, 16)
     with torch.no_grad():
         lin(x)
-        first = lin.__dict__["_computron_packed"][1]
+        first = lin.__dict__["_computron_packed"][2]
         lin(x)
-        assert lin.__dict__["_computron_packed"][1] is first       # reused
+        assert lin.__dict__["_computron_packed"][2] is first       # reused
         lin.weight.mul_(2)                                          # in place: its version moves
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         lin.weight.data = torch.randn(32, 16)                       # another buffer: its pointer moves

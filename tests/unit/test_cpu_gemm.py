@@ -1,0 +1,56 @@
+"""The CPU block matmul (``models/cpu_gemm.py``): built once per machine into the cache, equal to ``F.linear`` to
+float rounding for every row count its tiles take (1-8 rows, several tiles, one block or an odd one left,
+output features not a multiple of 16, with and without a bias), and never an error where it cannot build."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from computron.models import cpu_gemm
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="the kernel does not build here (see its log)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("out_f,in_f", [(16, 7), (48, 64), (50, 33), (96, 576), (1, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_block_matmul_equals_f_linear(rows, out_f, in_f, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_f + in_f)
+    x, w = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen)
+    b = torch.randn(out_f, generator=gen) if bias else None
+    blocked = cpu_gemm.block(w)
+    assert blocked.shape == (-(-out_f // 16), in_f, 16)
+    out = cpu_gemm.matmul(x, blocked, b, out_f)
+    assert out.shape == (rows, out_f) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_leading_dims_strided_input_and_zero_rows():
+    w, b = torch.randn(32, 24), torch.randn(32)
+    blocked = cpu_gemm.block(w)
+    x = torch.randn(3, 4, 48)[..., ::2]  # [3, 4, 24], not contiguous
+    torch.testing.assert_close(cpu_gemm.matmul(x, blocked, b, 32), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert cpu_gemm.matmul(torch.randn(0, 24), blocked, b, 32).shape == (0, 32)
+
+
+@needs_kernel
+def test_the_build_is_cached_in_the_kernel_dir():
+    built = [f for f in os.listdir(cpu_gemm.kernel_dir()) if f.startswith("block_matmul_") and f.endswith(".so")]
+    assert built, "the library lies in the cache"
+    assert cpu_gemm._build() in [os.path.join(cpu_gemm.kernel_dir(), f) for f in built]  # found, not rebuilt
+
+
+def test_no_compiler_means_unavailable_and_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))  # nothing cached there
+    cpu_gemm._kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=cpu_gemm.__name__):
+            assert not cpu_gemm.available() and not cpu_gemm.available()
+        warned = [r for r in caplog.records if "block matmul kernel is not used" in r.getMessage()]
+        assert len(warned) == 1
+    finally:
+        cpu_gemm._kernel.cache_clear()
