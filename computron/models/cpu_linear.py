@@ -199,5 +199,6 @@ def packed_bytes(module: nn.Module) -> int:
     return sum(h[2].numel() * h[2].element_size() for h in (s.__dict__.get(_PACK) for s in module.modules()) if h)
 
 
-__all__ = ["linear", "weight_first", "packed_weight", "pack_kind", "BLOCKED", "ONEDNN", "FewRowLinear", "use_cpu_kernels", "release_packs",
+__all__ = ["linear", "weight_first", "packed_weight", "pack_kind", "BLOCKED", "ONEDNN", "FewRowLinear",
+           "use_cpu_kernels", "release_packs",
            "packed_bytes", "packing_available", "MAX_ROWS", "PACK_MIN", "PACK_ROWS"]
