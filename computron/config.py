@@ -52,7 +52,8 @@ class EngineConfig:
     pack_cpu_linears: bool = True
     """CPU workers run their models' Linears on weights packed once per load (``models/cpu_linear.py``: in
     ``models/cpu_gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
-    weights' bytes once more while a model is resident; False keeps ``F.linear`` (and the weight-first product for a few rows)."""
+    weights' bytes once more while a model is resident; False keeps ``F.linear`` (and the weight-first
+    product for a few rows)."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
