@@ -90,6 +90,31 @@ def test_preflight_port_in_use():
                       master_port=port)
 
 
+def test_served_port_turns_nagle_off_on_each_connection():
+    """asyncio sets TCP_NODELAY on a connection accepted from ``reserve_port``'s socket: without it a
+    streamed answer's first chunk waited for the client's delayed ACK on a kept-alive connection."""
+    import asyncio
+
+    from computron.preflight import reserve_port
+
+    async def accepted_nodelay() -> int:
+        sock = reserve_port("127.0.0.1", 0)
+        seen = asyncio.get_running_loop().create_future()
+
+        def on_client(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_client, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            flag = await asyncio.wait_for(seen, 30)
+            writer.close()
+        return flag
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_preflight_unpicklable():
     _launch_fails([ModelConfig("lam", lambda: zoo.mlp())],
                   r"model 'lam': ModelConfig\.model_fn \(.*<lambda>\) cannot be pickled.*not a lambda")
