@@ -5,7 +5,10 @@ with ``--model``) decodes ``--batch`` sequences whose prompts have mixed lengths
 way ``CausalLMRunner.step`` drives it: ``running.RunningBatch`` (transformers' DynamicCache, left-padded,
 grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool per layer, one ragged row).
 Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
-the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible.
+the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible. A third
+run, ``direct``, is the paged pool with its decode attention read in place by ``models/cpu_attention``
+(where ``kv_pool.direct_fits``: one thread, a CPU; else it says ``"direct": false``), eager only (a compiled
+step keeps the gather): ``direct_over_paged``.
 ``--compile on`` runs every cache eager and compiled (``models/decode_compile``: the backbone's decode steps
 through torch.compile; on ``--device cuda`` the paged pool's as CUDA graphs), alternating A B A B, and
 reports both side by side (``eager_ms``, ``compiled_ms``, ``compiled_over_eager``); the first pass of each
@@ -52,7 +55,7 @@ def forward(model, backbone, ids, mask, cache, positions, last):
 def step_once(model, backbone, kind: str, rb, admit, specs, dev: torch.device) -> None:
     """One step of ``rb`` (``admit``: the prompts joining now, with ``specs``) as ``CausalLMRunner.step`` drives
     it, greedy."""
-    if kind == "paged":
+    if kind != "dynamic":
         ids, mask, _ = rb.step_inputs(admit, [s.sid for s in specs] if admit else [], dev, model.dtype)
         logits = forward(model, backbone, ids, mask, rb.cache, rb.cache.position_ids, rb.cache.last_index)
     else:
@@ -65,9 +68,12 @@ def step_once(model, backbone, kind: str, rb, admit, specs, dev: torch.device) -
 def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: torch.device):
     from computron.models.paged_running import PagedBatch
     from computron.models.running import RunningBatch
-    rb = PagedBatch(model.config) if kind == "paged" else RunningBatch()
-    if kind == "paged" and backbone.enabled and dev.type == "cuda":
+    from computron.models.kv_pool import direct_fits
+    rb = RunningBatch() if kind == "dynamic" else PagedBatch(model.config)
+    if kind != "dynamic" and backbone.enabled and dev.type == "cuda":
         rb.cache.pow2_width = True  # as CausalLMRunner sets it: few gather widths, one CUDA graph each
+    if kind == "direct":
+        rb.cache.direct = direct_fits(model.config, dev)  # as CausalLMRunner sets it (cpu_attention)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     specs = [SimpleNamespace(sid=i, max_tokens=steps + 1) for i in range(len(prompts))]
     times, prof = [], None
@@ -85,6 +91,8 @@ def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: tor
             if profile and step == steps:
                 prof = watch
     out = {"ms_per_step": round(1e3 * sum(times) / len(times), 2)}
+    if kind == "direct":
+        out["direct"] = rb.cache.direct
     if prof is not None:
         ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         total = sum(e.self_cpu_time_total for e in ev) or 1
@@ -123,9 +131,9 @@ def main(argv=None) -> int:
            "threads": args.threads, "device": args.device, "compile": args.compile,
            "worker_linears": args.worker_linears}
     first = {}
-    for kind in ("dynamic", "paged", "dynamic", "paged"):  # twice each, alternating: the second counts
+    for kind in ("dynamic", "paged", "direct") * 2:  # twice each, alternating: the second counts
         out[kind] = run(model, eager, kind, prompts, args.steps, args.profile, dev)
-        if compiled is not None:
+        if compiled is not None and kind in compiled:
             t0 = time.perf_counter()
             c = run(model, compiled[kind], kind, prompts, args.steps, False, dev)
             first.setdefault(kind, round(time.perf_counter() - t0, 1))  # its compilations included
@@ -135,6 +143,7 @@ def main(argv=None) -> int:
             out[kind]["ms_per_step"] = out[kind]["eager_ms"]
             out[kind]["compiled_over_eager"] = round(c["ms_per_step"] / out[kind]["eager_ms"], 3)
     out["paged_over_dynamic"] = round(out["paged"]["ms_per_step"] / out["dynamic"]["ms_per_step"], 3)
+    out["direct_over_paged"] = round(out["direct"]["ms_per_step"] / out["paged"]["ms_per_step"], 3)
     print(json.dumps(out), flush=True)
     return 0
 

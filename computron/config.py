@@ -54,6 +54,10 @@ class EngineConfig:
     ``models/cpu_gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
     weights' bytes once more while a model is resident; False keeps ``F.linear`` (and the weight-first
     product for a few rows)."""
+    cpu_decode_attention: bool = True
+    """CPU workers run a paged decode step's attention straight from the KV pool (``models/cpu_attention.py``,
+    one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
+    False keeps the model's own SDPA over the gathered keys."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
@@ -186,6 +190,8 @@ class EngineConfig:
             _fail(c, "metrics_history", self.metrics_history, "must be an int >= 0 (0 = keep all)")
         if self.pin_workers not in ("off", "auto"):
             _fail(c, "pin_workers", self.pin_workers, "must be 'off' or 'auto'")
+        if not isinstance(self.cpu_decode_attention, bool):
+            _fail(c, "cpu_decode_attention", self.cpu_decode_attention, "must be True or False")
         if not isinstance(self.pack_cpu_linears, bool):
             _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True or False")
         if self.kv_cache not in ("dynamic", "paged"):

@@ -50,6 +50,8 @@ class StageContext:
     """``EngineConfig.kv_reserve``: the paged pool starts with this fraction of the stage's weight bytes."""
     pack_linears: bool = True
     """``EngineConfig.pack_cpu_linears``: a CPU rank's Linears run on weights packed for oneDNN."""
+    cpu_attention: bool = True
+    """``EngineConfig.cpu_decode_attention``: a CPU rank's paged decode steps attend from the pool in place."""
 
     @property
     def layout(self):

@@ -60,15 +60,18 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
 
 def _running_batch(config, ctx: StageContext, module, layers: int):
     """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``, its first
-    blocks ``kv_reserve`` of this stage's weight bytes) or in transformers' DynamicCache, left-padded."""
+    blocks ``kv_reserve`` of this stage's weight bytes; decode attention from it in place where
+    ``kv_pool.direct_fits``) or in transformers' DynamicCache, left-padded."""
     if ctx.kv_cache == "paged":
-        from .kv_pool import initial_blocks
+        from .kv_pool import direct_fits, initial_blocks
         from .paged_running import PagedBatch
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
-        return PagedBatch(config, block_size=ctx.kv_block_size,
-                          initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
-                                                        ctx.kv_reserve * weights),
-                          prefix_cache=ctx.prefix_cache)
+        batch = PagedBatch(config, block_size=ctx.kv_block_size,
+                           initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
+                                                         ctx.kv_reserve * weights),
+                           prefix_cache=ctx.prefix_cache)
+        batch.cache.direct = direct_fits(config, ctx.device, ctx.cpu_attention)
+        return batch
     from .running import RunningBatch
     return RunningBatch()
 

@@ -11,28 +11,22 @@ accumulators instead. A decode step of SmolLM2 in process
 (``benchmarks/decode_step.py --worker-linears --batch 1|8 --steps 16``, one thread, 2026-12-05) took 34 ms at
 batch 1 and 49-53 ms at batch 8 on these blocks, against 55 and 77 ms on oneDNN's packs.
 
-The C source below is compiled once per machine (``-O3 -march=native``, GCC's vector extensions: no
-intrinsics, so any compiler target with vectors of 16 floats builds it) into
-``$COMPUTRON_CACHE_DIR/kernels`` (default ``~/.cache/computron/kernels``) and loaded with ``ctypes`` (which
-lets go of the GIL during a call). Before first use its result is compared with ``F.linear``; where there is
-no compiler, the build fails or the check does, ``available()`` is False (one WARNING says why) and
-``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel is single-threaded:
-it is used where a worker computes on one intra-op thread (this machine's default).
+The C source below is compiled once per machine by ``cpu_kernels`` (GCC's vector extensions: no intrinsics,
+so any compiler target with vectors of 16 floats builds it). Before first use its result is compared with
+``F.linear``; where there is no compiler, the build fails or the check does, ``available()`` is False (one
+WARNING says why) and ``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
+is single-threaded: it is used where a worker computes on one intra-op thread (this machine's default).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from typing import Optional
 
 import torch
+
+from . import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -109,62 +103,17 @@ void computron_block_matmul(const float* x, const float* w, const float* b, floa
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
-CACHE_ENV = "COMPUTRON_CACHE_DIR"
-
-
-def _machine_key() -> str:
-    """What ``-march=native`` compiles for: the processor's name and flags (a cache shared between hosts)."""
-    info = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = "".join(sorted({ln for ln in f if ln.startswith(("flags", "model name", "Features"))}))
-    except OSError:
-        pass
-    return platform.machine() + info
-
-
-def kernel_dir() -> str:
-    base = os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "computron")
-    return os.path.join(os.path.expanduser(base), "kernels")
-
-
 def _build() -> str:
-    """The shared library's path, compiled first where this machine's build is not cached yet."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256("\0".join((_SOURCE, cc, *_FLAGS, _machine_key())).encode()).hexdigest()[:16]
-    folder = kernel_dir()
-    path = os.path.join(folder, f"block_matmul_{key}.so")
-    if os.path.isfile(path):
-        return path
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")  # same folder: the rename below is atomic
-    os.close(fd)
-    src = tmp[:-3] + ".c"
-    try:
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        proc = subprocess.run([cc, *_FLAGS, src, "-o", tmp], capture_output=True, text=True, timeout=120)
-        if proc.returncode:
-            raise RuntimeError(f"{cc} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-        os.replace(tmp, path)  # processes building at once each write their own file; one wins whole
-    finally:
-        for leftover in (src, tmp):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    log.info("built the CPU block matmul kernel: %s", path)
-    return path
+    """The shared library's path (``cpu_kernels.build``: compiled where this machine's build is not cached)."""
+    return cpu_kernels.build("block_matmul", _SOURCE)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The compiled function, checked against ``F.linear``, or None (with one WARNING saying why)."""
     try:
-        fn = ctypes.CDLL(_build()).computron_block_matmul
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
+        fn = cpu_kernels.load("block_matmul", _SOURCE, "computron_block_matmul",
+                              [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4)
         _self_check(fn)
         return fn
     except Exception as exc:  # noqa: BLE001 - any failure means the other kernels, never an error
@@ -220,4 +169,4 @@ def matmul(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
     return _run(_kernel(), flat, blocked, bias, out_features).view(*x.shape[:-1], out_features)
 
 
-__all__ = ["available", "block", "matmul", "kernel_dir", "BLOCK", "MAX_ROWS"]
+__all__ = ["available", "block", "matmul", "BLOCK", "MAX_ROWS"]

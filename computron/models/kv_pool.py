@@ -18,7 +18,7 @@ memory and frees the device pool; ``unpark`` brings them back.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,9 +81,13 @@ class PagedKV:
         self.pow2_width = False
         """Decode gathers as wide as the next power of two (>= 16): few distinct shapes, one CUDA graph each
         (``decode_compile``); the extra columns are masked. The pools are then marked static addresses."""
+        self.direct = False
+        """Decode steps attend from the pool in place (``cpu_attention``, set where ``direct_fits``): ``update``
+        hands the attention function the pools themselves, which ``attention`` recognises."""
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
         self.counts: List[int] = []  # the step's computed tokens per row (a cached prefix is not)
+        self._lengths: Optional[torch.Tensor] = None  # a decode step's keys per row
 
     # ---- transformers' Cache interface, as the models use it ------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -102,8 +106,19 @@ class PagedKV:
         if self._shape is None:
             return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
         b, width = self._shape
+        if self.direct and pool_k.dtype == torch.float32 and not torch.compiler.is_compiling():
+            step = DirectStep(pool_k[None], pool_v[None], self._read.view(b, width), self._lengths,
+                              self._window(layer_idx))
+            _PENDING[0] = step
+            return step.key, step.value
         return tuple(p.index_select(1, self._read).view(p.shape[0], b, width, p.shape[2]).transpose(0, 1)
                      for p in (pool_k, pool_v))
+
+    def _window(self, layer_idx: int) -> int:
+        """The sliding window of this layer's mask (as ``prepare`` builds them), 0 for full attention."""
+        types = layer_types(self.config)
+        kind = types[layer_idx] if types else self.kinds[0]
+        return int(self.window) if kind == SLIDING and self.window else 0
 
     def _allocate(self, layer_idx: int, like: torch.Tensor):
         """The layer's pool at the table's current size (a first allocation, or a grown copy)."""
@@ -147,6 +162,7 @@ class PagedKV:
         Chunked prefill: a sequence part-way through its prompt is in ``joins`` too (its newly full blocks
         are registered) but attaches nothing; a row may then compute no token at all (its chunk was cached)."""
         joins, write, counts = joins or {}, [], []
+        _PENDING[0] = None  # a step that failed between an update and its attention left it
         new = {sid for sid, _ in new_tokens if sid in joins and sid not in self.tables.tables}  # they attach
         bs = self.tables.block_size
         need = sum(self.tables.blocks_needed(sid, max(0, n - bs * len(self.tables.cached_prefix(*joins[sid])))
@@ -177,6 +193,7 @@ class PagedKV:
                 own = self.tables.slots(sid)
                 read += own + [own[0]] * (width - len(own))  # padding reads a real slot, masked below
             self._read, self._shape = as_t(read), (len(new_tokens), width)
+            self._lengths = as_t(lengths)
             qp = as_t(lengths)[:, None] - 1                  # [B, 1]
             kp = torch.arange(width, device=device)[None]    # [1, L]
             allowed = kp <= qp                               # its own keys only: beyond its length is padding
@@ -275,3 +292,61 @@ def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:
 
 
 __all__ = ["PagedKV", "initial_blocks", "mask_kinds", "token_kv_bytes"]
+
+
+# ---- decode attention from the pool in place ---------------------------------------------
+DIRECT_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text",
+                             "granite", "olmo2", "phi3"})
+"""Model types whose attention layers hand the cache's keys and values to the attention function as they
+came, with nothing but the query, the scaling and a sliding window to apply: those the direct path serves
+(each checked token for token against HF generate: ``tests/engine/test_families.py``, ``test_paged_kv.py``)."""
+
+
+class DirectStep(NamedTuple):
+    """What one layer's ``update`` handed out in a direct decode step: the pools as ``[1, kv_heads, S, D]``
+    (the attention function knows them by identity), each row's slots ``[B, W]`` and length, the window."""
+    key: torch.Tensor
+    value: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    window: int
+
+
+_PENDING: List[Optional[DirectStep]] = [None]
+"""The step the last ``update`` of a direct decode handed out, until its layer's attention takes it."""
+
+
+def direct_fits(config, device: torch.device, enabled: bool = True) -> bool:
+    """Whether a model's paged decode steps can attend from the pool in place here: a CPU computing on one
+    intra-op thread, SDPA attention, a family of ``DIRECT_FAMILIES``, the kernel built (``update`` also wants
+    float32 pools and an eager step: a compiled one keeps the gather, which inductor fuses)."""
+    if not enabled or torch.device(device).type != "cpu" or torch.get_num_threads() != 1:
+        return False
+    if getattr(config, "model_type", None) not in DIRECT_FAMILIES \
+            or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    from . import cpu_attention
+    if not cpu_attention.available():
+        return False
+    _install()
+    return True
+
+
+def _install() -> None:
+    """Put ``attention`` in front of transformers' SDPA function, once per process."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(current, "computron_direct", False):
+        return
+
+    from .cpu_attention import decode
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        step, _PENDING[0] = _PENDING[0], None
+        if step is None or key is not step.key:
+            return current(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return decode(query, step.key[0], step.value[0], step.slots, step.lengths, float(scale), step.window), None
+
+    attention.computron_direct = True
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention

@@ -79,7 +79,8 @@ class ShardBuilder:
                            scatter_from=None if while_serving else 0, kv_cache=self.config.kv_cache,
                            kv_block_size=self.config.kv_block_size, kv_reserve=self.config.kv_reserve,
                            pack_linears=self.config.pack_cpu_linears, prefix_cache=self.config.prefix_cache,
-                           compile_decode=self.config.compile_decode)
+                           compile_decode=self.config.compile_decode,
+                           cpu_attention=self.config.cpu_decode_attention)
         runner, source = self._from_checkpoint(mid, mc, ctx)
         if runner is None:
             if while_serving and ctx.tp > 1:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from computron.models import cpu_gemm
+from computron.models import cpu_gemm, cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="the kernel does not build here (see its log)")
 
@@ -38,14 +38,14 @@ def test_leading_dims_strided_input_and_zero_rows():
 
 @needs_kernel
 def test_the_build_is_cached_in_the_kernel_dir():
-    built = [f for f in os.listdir(cpu_gemm.kernel_dir()) if f.startswith("block_matmul_") and f.endswith(".so")]
+    built = [f for f in os.listdir(cpu_kernels.kernel_dir()) if f.startswith("block_matmul_") and f.endswith(".so")]
     assert built, "the library lies in the cache"
-    assert cpu_gemm._build() in [os.path.join(cpu_gemm.kernel_dir(), f) for f in built]  # found, not rebuilt
+    assert cpu_gemm._build() in [os.path.join(cpu_kernels.kernel_dir(), f) for f in built]  # found, not rebuilt
 
 
 def test_no_compiler_means_unavailable_and_one_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))  # nothing cached there
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))  # nothing cached there
     cpu_gemm._kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=cpu_gemm.__name__):

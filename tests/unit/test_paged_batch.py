@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from family_configs import FAMILIES  # noqa: E402
 
+from computron.models import cpu_attention, kv_pool  # noqa: E402
 from computron.models.paged_running import PagedBatch  # noqa: E402
 from computron.testing.zoo import reference_generate  # noqa: E402
 
@@ -37,9 +38,10 @@ def _forward(model, ids, mask, cache) -> torch.Tensor:
     return model.get_output_embeddings()(last).float()
 
 
-def _serve(model, block_size: int, stop_early=None, pow2: bool = False) -> dict:
+def _serve(model, block_size: int, stop_early=None, pow2: bool = False, direct: bool = False) -> dict:
     rb, produced, sid, parked = PagedBatch(model.config, block_size=block_size, initial_blocks=2), {}, 0, []
     rb.cache.pow2_width = pow2
+    rb.cache.direct = direct
     widths = set()
     with torch.inference_mode():
         for step in range(max(ADMISSIONS) + MAX_TOKENS + 1):
@@ -107,6 +109,23 @@ def test_power_of_two_decode_widths_equal_generate(family, root):
     for sid, (prompt, tokens) in produced.items():
         want = reference_generate(model, prompt, MAX_TOKENS).tolist()
         assert tokens[:len(want)] == want, f"{family}: sequence {sid}"
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) & kv_pool.DIRECT_FAMILIES))
+def test_decode_attention_from_the_pool_in_place_equals_generate(family, root, monkeypatch):
+    """``PagedKV.direct`` (``cpu_attention``): every decode step's attention read from the pool by the
+    kernel, none by the model's SDPA over gathered keys, the tokens those of ``generate``."""
+    model = _model(family, root)
+    model.config._attn_implementation = "sdpa"
+    kv_pool._install()
+    calls, run = [], cpu_attention._run
+    monkeypatch.setattr(cpu_attention, "_run", lambda *a: calls.append(a[1].shape) or run(*a))
+    produced, _ = _serve(model, block_size=4, stop_early=1, direct=True)
+    assert len(calls) >= model.config.num_hidden_layers * MAX_TOKENS  # each layer of every decode step
+    for sid, (prompt, tokens) in produced.items():
+        want = reference_generate(model, prompt, MAX_TOKENS).tolist()
+        assert tokens[:len(want)] == (want[:2] if sid == 1 else want), f"{family}: sequence {sid}"
 
 
 def test_initial_blocks_follow_the_kv_formula():
