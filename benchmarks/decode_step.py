@@ -120,10 +120,12 @@ def main(argv=None) -> int:
     if args.worker_linears and dev.type == "cpu":
         from computron.models.cpu_linear import use_cpu_kernels
         use_cpu_kernels(model, pack=True)
+    from computron.models.kv_pool import direct_fits
+    direct_fits(model.config, dev)  # its attention hook before any compilation, as in a worker (no recompile later)
     eager = DecodeCompiler(model.base_model, "off", dev)
     compiled = {kind: DecodeCompiler(model.base_model, "on", dev, graphs=kind == "paged",  # as a runner has it
                                      eager_first=args.worker_linears and dev.type == "cpu")
-                for kind in ("dynamic", "paged")} if args.compile == "on" else None
+                for kind in ("dynamic", "paged", "direct")} if args.compile == "on" else None
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, min(1000, model.config.vocab_size), (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (args.batch,), generator=gen)]

@@ -12,7 +12,8 @@ gathered, padded or masked.
 It is single-threaded (used where a worker computes on one intra-op thread, as ``cpu_gemm`` is), float32,
 and checked against SDPA before first use; where there is no compiler, the build fails or the check does,
 ``available()`` is False (one WARNING says why) and the pool gathers for the model's SDPA as before. The
-hook into the model's attention is ``kv_pool``'s (``direct_fits``).
+hook into the model's attention is ``kv_pool``'s (``direct_fits``); a compiled decode step calls the kernel
+as the opaque operator ``computron::paged_decode`` (``paged_decode``).
 """
 from __future__ import annotations
 
@@ -167,4 +168,17 @@ def decode(query, pool_k, pool_v, slots, lengths, scale: float, window: int = 0)
     return _run(_kernel(), query, pool_k, pool_v, slots, lengths, scale, window)
 
 
-__all__ = ["available", "decode", "reference"]
+@torch.library.custom_op("computron::paged_decode", mutates_args=())
+def paged_decode(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """``decode`` as a torch operator, opaque to a compiled step (``decode_compile``)."""
+    return decode(query, pool_k, pool_v, slots, lengths, scale, window)
+
+
+@paged_decode.register_fake
+def _(query, pool_k, pool_v, slots, lengths, scale, window):
+    b, h, _, d = query.shape
+    return query.new_empty(b, 1, h, d)
+
+
+__all__ = ["available", "decode", "paged_decode", "reference"]

@@ -106,7 +106,7 @@ class PagedKV:
         if self._shape is None:
             return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
         b, width = self._shape
-        if self.direct and pool_k.dtype == torch.float32 and not torch.compiler.is_compiling():
+        if self.direct and pool_k.dtype == torch.float32:
             step = DirectStep(pool_k[None], pool_v[None], self._read.view(b, width), self._lengths,
                               self._window(layer_idx))
             _PENDING[0] = step
@@ -319,7 +319,7 @@ _PENDING: List[Optional[DirectStep]] = [None]
 def direct_fits(config, device: torch.device, enabled: bool = True) -> bool:
     """Whether a model's paged decode steps can attend from the pool in place here: a CPU computing on one
     intra-op thread, SDPA attention, a family of ``DIRECT_FAMILIES``, the kernel built (``update`` also wants
-    float32 pools and an eager step: a compiled one keeps the gather, which inductor fuses)."""
+    float32 pools; a compiled step calls the kernel as the opaque operator ``computron::paged_decode``)."""
     if not enabled or torch.device(device).type != "cpu" or torch.get_num_threads() != 1:
         return False
     if getattr(config, "model_type", None) not in DIRECT_FAMILIES \
@@ -339,14 +339,15 @@ def _install() -> None:
     if getattr(current, "computron_direct", False):
         return
 
-    from .cpu_attention import decode
+    from .cpu_attention import decode, paged_decode
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         step, _PENDING[0] = _PENDING[0], None
         if step is None or key is not step.key:
             return current(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return decode(query, step.key[0], step.value[0], step.slots, step.lengths, float(scale), step.window), None
+        run = paged_decode if torch.compiler.is_compiling() else decode
+        return run(query, step.key[0], step.value[0], step.slots, step.lengths, float(scale), step.window), None
 
     attention.computron_direct = True
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention

@@ -3,7 +3,8 @@ worker builds it, serves sequences joining and leaving at different steps (so th
 and the keys' width grows) through its compiled decode step, and every sequence's greedy tokens equal
 transformers' ``generate`` of its prompt alone, the Linears running on their packed weights inside the compiled
 step; a CPU offload keeps the compiled forward and removing the model drops it.
-One rank (a "fake" process group of one: no collective runs), each KV layout."""
+One rank (a "fake" process group of one: no collective runs), each KV layout, the pool's decode attention
+gathered for SDPA or read in place (``cpu_attention``'s operator inside the compiled step)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,13 +66,13 @@ def _serve(runner):
     return out
 
 
-@pytest.mark.parametrize("kv_cache", ["dynamic", "paged"])
-def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, monkeypatch):
-    from computron.models import cpu_linear
+@pytest.mark.parametrize("kv_cache,direct", [("dynamic", False), ("paged", True), ("paged", False)])
+def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, direct, monkeypatch):
+    from computron.models import cpu_attention, cpu_linear
     monkeypatch.setattr(cpu_linear, "PACK_MIN", 0)  # llama-tiny's Linears packed too, as a real model's are
     model = random_causal_lm("llama-tiny", seed=0)
     ctx = StageContext(OneRank(), torch.device("cpu"), "m", scatter_from=None, kv_cache=kv_cache,
-                       kv_block_size=4, compile_decode="on")
+                       kv_block_size=4, compile_decode="on", cpu_attention=direct)
     runner = make_runner(random_causal_lm("llama-tiny", seed=0), ModelConfig("m", random_causal_lm,
                                                                               {"name": "llama-tiny"}), ctx)
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -83,6 +84,9 @@ def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, mo
     packs = cpu_linear.packing_available() or cpu_linear.cpu_gemm.available()
     assert not packs or op[cpu_linear.pack_kind()] in ops, \
         "the compiled step runs the Linears on the packs (one opaque operator each)"
+    in_place = direct and cpu_attention.available()
+    assert getattr(runner.running, "cache", None) is None or runner.running.cache.direct == in_place
+    assert ("computron::paged_decode" in ops) == in_place, "the pool's attention kernel: one opaque operator"
     for sid, (prompt, toks) in got.items():
         want = reference_generate(model, prompt, MAX_TOKENS[sid]).tolist()
         assert toks == want, f"{kv_cache}, sequence {sid}: compiled {toks} != generate {want}"
