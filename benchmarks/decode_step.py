@@ -7,8 +7,8 @@ grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool p
 Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
 the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible. A third
 run, ``direct``, is the paged pool with its decode attention read in place by ``models/cpu_attention``
-(where ``kv_pool.direct_fits``: one thread, a CPU; else it says ``"direct": false``), eager only (a compiled
-step keeps the gather): ``direct_over_paged``.
+(where ``kv_pool.direct_fits``: one thread, a CPU; else it says ``"direct": false``; compiled, the kernel is
+the opaque operator ``computron::paged_decode``): ``direct_over_paged``.
 ``--compile on`` runs every cache eager and compiled (``models/decode_compile``: the backbone's decode steps
 through torch.compile; on ``--device cuda`` the paged pool's as CUDA graphs), alternating A B A B, and
 reports both side by side (``eager_ms``, ``compiled_ms``, ``compiled_over_eager``); the first pass of each
