@@ -93,7 +93,7 @@ class EngineConfig:
     """A causal LM's decode steps (every row one new token) through ``torch.compile`` (``models/decode_compile``):
     'on' on any device (on a CPU inductor's C++ kernels around the packed Linears), 'auto' only on CUDA (CUDA
     graphs, mode "reduce-overhead"), 'off' eager. On this project's 2-core CPU a compiled paged decode step took
-    0.82-0.86x the eager one's time, but compiling took about a minute on first use (once per process and
+    0.89-0.90x the eager one's time, but compiling took 12-86 s on first use (once per process and
     architecture, again for the first batch of more than one), so 'auto' does not compile there
     (docs/performance.md).
     Prefills stay eager; a model compiles on its first decode step (on a CPU its second: the first packs the
