@@ -103,10 +103,6 @@ void computron_block_matmul(const float* x, const float* w, const float* b, floa
 }
 """
 
-def _build() -> str:
-    """The shared library's path (``cpu_kernels.build``: compiled where this machine's build is not cached)."""
-    return cpu_kernels.build("block_matmul", _SOURCE)
-
 
 @functools.lru_cache(maxsize=None)
 def _kernel():

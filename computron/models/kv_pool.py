@@ -291,9 +291,6 @@ def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:
     return (b[:, None] * block_size + torch.arange(block_size, device=device)[None]).reshape(-1)
 
 
-__all__ = ["PagedKV", "initial_blocks", "mask_kinds", "token_kv_bytes"]
-
-
 # ---- decode attention from the pool in place ---------------------------------------------
 DIRECT_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text",
                              "granite", "olmo2", "phi3"})
@@ -351,3 +348,7 @@ def _install() -> None:
 
     attention.computron_direct = True
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+
+
+__all__ = ["PagedKV", "DirectStep", "DIRECT_FAMILIES", "direct_fits", "initial_blocks", "mask_kinds",
+           "token_kv_bytes"]
