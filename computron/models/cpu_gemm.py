@@ -4,15 +4,20 @@ A decode step multiplies one row per sequence by every weight of the model: it i
 and its speed is the memory's. oneDNN's packed product (``cpu_linear``'s other kernel) read SmolLM2's
 weights at 12-14 GB/s on one core of this machine where a plain sum over them reads 22-24 GB/s. This kernel
 keeps a weight in blocks of 16 output features, ``[N / 16, K, 16]`` (each block's 16 weights of one input
-feature side by side), and, for up to 8 activation rows at a time, adds ``x[m, k] * block[k]`` into one
-16-wide accumulator per row and block: the weight is read once, in order, and nothing is summed across
-lanes. Two blocks go together (twice the products per activation load); a single row splits ``K`` over two
-accumulators instead. A decode step of SmolLM2 in process
-(``benchmarks/decode_step.py --worker-linears --batch 1|8 --steps 16``, one thread, 2026-12-05) took 34 ms at
-batch 1 and 49-53 ms at batch 8 on these blocks, against 55 and 77 ms on oneDNN's packs.
+feature side by side), and, for a tile of activation rows, adds ``x[m, k] * block[k]`` into one 16-wide
+accumulator per row and block: the weight is read once, in order, and nothing is summed across lanes.
+The tiles fit the processor's vector registers: with AVX-512 (32 registers of 16 floats) up to 8 rows and two
+blocks together (twice the products per activation load; a single row splits ``K`` over two accumulators); else
+(AVX2: 16 registers of 8 floats) a block is two vectors and a tile up to 6 rows. A decode step of SmolLM2 in
+process (``benchmarks/decode_step.py --worker-linears --batch 1|8 --steps 16``, one thread) took, on the
+machine of 2026-12-05 (then only the 16-float tiles), 34 ms at batch 1 and 49-53 ms at batch 8 on these blocks against 55 and 77 ms on
+oneDNN's packs; on an AVX2 EPYC (2026-12-07) 50-52 and 70-88 ms against F.linear's 53-58 and 105-110 ms, where
+the 16-float tiles, spilling their registers, had taken 80-90 ms at batch 1 (10x F.linear's time for one
+product of 8 rows by the LM head). So a build is timed against
+``F.linear`` once (``_wins``) and used only where it is faster.
 
 The C source below is compiled once per machine by ``cpu_kernels`` (GCC's vector extensions: no intrinsics,
-so any compiler target with vectors of 16 floats builds it). Before first use its result is compared with
+so any target builds it). Before first use its result is compared with
 ``F.linear``; where there is no compiler, the build fails or the check does, ``available()`` is False (one
 WARNING says why) and ``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
 is single-threaded: it is used where a worker computes on one intra-op thread (this machine's default).
@@ -22,7 +27,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
 import torch
 
@@ -38,6 +44,8 @@ MAX_ROWS = 64
 
 _SOURCE = r"""
 #include <string.h>
+#if defined(__AVX512F__)
+/* 32 vector registers of 16 floats: a tile of up to 8 rows keeps its accumulators in registers */
 typedef float v16 __attribute__((vector_size(64)));
 static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
@@ -101,6 +109,58 @@ void computron_block_matmul(const float* x, const float* w, const float* b, floa
       ONES[mt](x + m * K, w + nb * K * 16, b ? b + nb * 16 : 0, y + m * ldy + nb * 16, ldy, K);
     }
 }
+#else
+/* 16 registers of 8 floats (AVX2; NEON has 32 of 4): a block is two vectors, a tile at most 6 rows
+   (12 accumulators, 2 weights, 1 broadcast); the rows past a tile read the block again from L2 */
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 ld(const float* p) { v8 v; memcpy(&v, p, 32); return v; }
+static inline void st(float* p, v8 v) { memcpy(p, &v, 32); }
+#define MAXT 6
+
+#define TILE(MT)                                                                                     \
+static void tile_##MT(const float* x, const float* p, const float* b, float* y, long ldy, long K) {  \
+  v8 lo[MT], hi[MT];                                                                                 \
+  for (int i = 0; i < MT; i++) lo[i] = hi[i] = (v8){0};                                              \
+  for (long k = 0; k < K; k++) {                                                                     \
+    v8 w0 = ld(p + k * 16), w1 = ld(p + k * 16 + 8);                                                 \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MT; i++) {                                           \
+      float xi = x[i * K + k]; lo[i] += xi * w0; hi[i] += xi * w1;                                   \
+    }                                                                                                \
+  }                                                                                                  \
+  v8 b0 = b ? ld(b) : (v8){0}, b1 = b ? ld(b + 8) : (v8){0};                                         \
+  for (int i = 0; i < MT; i++) { st(y + i * ldy, lo[i] + b0); st(y + i * ldy + 8, hi[i] + b1); }     \
+}
+
+/* one row: K split over two pairs of accumulators, so the adds do not wait on each other */
+static void row_1(const float* x, const float* p, const float* b, float* y, long K) {
+  v8 a0 = {0}, a1 = {0}, c0 = {0}, c1 = {0};
+  long k = 0;
+  for (; k + 2 <= K; k += 2) {
+    a0 += x[k] * ld(p + k * 16); a1 += x[k] * ld(p + k * 16 + 8);
+    c0 += x[k + 1] * ld(p + k * 16 + 16); c1 += x[k + 1] * ld(p + k * 16 + 24);
+  }
+  for (; k < K; k++) { a0 += x[k] * ld(p + k * 16); a1 += x[k] * ld(p + k * 16 + 8); }
+  v8 b0 = b ? ld(b) : (v8){0}, b1 = b ? ld(b + 8) : (v8){0};
+  st(y, a0 + c0 + b0); st(y + 8, a1 + c1 + b1);
+}
+
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+typedef void (*tile)(const float*, const float*, const float*, float*, long, long);
+static const tile TILES[MAXT + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+
+void computron_block_matmul(const float* x, const float* w, const float* b, float* y,
+                            long M, long K, long NB, long ldy) {
+  for (long nb = 0; nb < NB; nb++) {
+    const float* p = w + nb * K * 16;
+    const float* bb = b ? b + nb * 16 : 0;
+    if (M == 1) { row_1(x, p, bb, y + nb * 16, K); continue; }
+    for (long m = 0; m < M; m += MAXT) {
+      long mt = M - m < MAXT ? M - m : MAXT;
+      TILES[mt](x + m * K, p, bb, y + m * ldy + nb * 16, ldy, K);
+    }
+  }
+}
+#endif
 """
 
 
@@ -128,9 +188,64 @@ def _self_check(fn) -> None:
             raise RuntimeError(f"its result differs from F.linear by {(got - want).abs().max().item():.3g}")
 
 
-def available() -> bool:
-    """Whether the kernel is built and right on this machine (built on the first call)."""
+TRIAL_WEIGHT = (12288, 1024)
+"""The weight a build is timed on against ``F.linear``: 48 MB, past the caches as a model's weights are."""
+
+TRIAL_ROWS = (1, 8)
+
+
+def time_against_torch(fn, shape=TRIAL_WEIGHT, rows=TRIAL_ROWS, repeats: int = 3) -> Tuple[float, float]:
+    """``(this kernel's, F.linear's)`` seconds for one product of each of ``rows`` rows by a random weight of
+    ``shape``, the best of ``repeats`` alternated runs each, both on one intra-op thread (where it is used)."""
+    w = torch.randn(*shape)
+    blocked = block(w)
+    xs = [torch.randn(m, shape[1]) for m in rows]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = [float("inf"), float("inf")]
+        for _ in range(repeats + 1):  # the first round warms both up
+            for i, run in enumerate((lambda x: _run(fn, x, blocked, None, shape[0]),
+                                     lambda x: torch.nn.functional.linear(x, w))):
+                t0 = time.perf_counter()
+                for x in xs:
+                    run(x)
+                best[i] = min(best[i], time.perf_counter() - t0)
+        return best[0], best[1]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _wins() -> bool:
+    """Whether the built kernel is faster than ``F.linear`` on this machine: timed once per build
+    (``time_against_torch``), the verdict kept beside the library. On one processor it was 0.6x oneDNN's time
+    (AVX-512), on another the same 16-float tiles spilled their registers and took 10x ``F.linear``'s (AVX2)
+    until they got tiles of their own: a kernel that loses is never used."""
+    path = cpu_kernels.build("block_matmul", _SOURCE) + ".timed"
+    try:
+        with open(path) as f:
+            verdict = f.read().strip()
+    except OSError:
+        ours, theirs = time_against_torch(_kernel())
+        verdict = (f"{'wins' if ours < theirs else 'loses'}: {ours * 1e3:.2f} ms against F.linear's "
+                   f"{theirs * 1e3:.2f} ms ({' and '.join(map(str, TRIAL_ROWS))} rows by a "
+                   f"{TRIAL_WEIGHT[0]}x{TRIAL_WEIGHT[1]} weight, one thread)")
+        cpu_kernels.write_beside(path, verdict)
+    (log.info if verdict.startswith("wins") else log.warning)(
+        "the CPU block matmul kernel %s%s", verdict, "" if verdict.startswith("wins") else
+        ": Linears run on oneDNN or F.linear")
+    return verdict.startswith("wins")
+
+
+def built() -> bool:
+    """Whether the kernel is built and right on this machine (built on the first call), winning or not."""
     return _kernel() is not None
+
+
+def available() -> bool:
+    """Whether the kernel is built, right and faster than ``F.linear`` on this machine (``_wins``)."""
+    return built() and _wins()
 
 
 def block(weight: torch.Tensor) -> torch.Tensor:
@@ -165,4 +280,4 @@ def matmul(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
     return _run(_kernel(), flat, blocked, bias, out_features).view(*x.shape[:-1], out_features)
 
 
-__all__ = ["available", "block", "matmul", "BLOCK", "MAX_ROWS"]
+__all__ = ["available", "built", "time_against_torch", "block", "matmul", "BLOCK", "MAX_ROWS"]

@@ -69,6 +69,18 @@ def build(name: str, source: str) -> str:
     return path
 
 
+def write_beside(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` in the cache whole (a file of its own renamed into place), as a build is."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def load(name: str, source: str, symbol: str, argtypes) -> ctypes._CFuncPtr:
     """``symbol`` of ``source``'s library (built first where needed), typed ``argtypes``, returning nothing."""
     fn = getattr(ctypes.CDLL(build(name, source)), symbol)
@@ -77,4 +89,4 @@ def load(name: str, source: str, symbol: str, argtypes) -> ctypes._CFuncPtr:
     return fn
 
 
-__all__ = ["build", "load", "kernel_dir", "CACHE_ENV", "FLAGS"]
+__all__ = ["build", "load", "write_beside", "kernel_dir", "CACHE_ENV", "FLAGS"]

@@ -1,6 +1,7 @@
 """The CPU block matmul (``models/cpu_gemm.py``): built once per machine into the cache, equal to ``F.linear`` to
 float rounding for every row count its tiles take (1-8 rows, several tiles, one block or an odd one left,
-output features not a multiple of 16, with and without a bias), and never an error where it cannot build."""
+output features not a multiple of 16, with and without a bias), used only where it was timed faster than
+``F.linear`` on this machine (the verdict kept beside the build), and never an error where it cannot build."""
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from computron.models import cpu_gemm, cpu_kernels
 
-needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="the kernel does not build here (see its log)")
+needs_kernel = pytest.mark.skipif(not cpu_gemm.built(), reason="the kernel does not build here (see its log)")
 
 
 @needs_kernel
@@ -55,3 +56,35 @@ def test_no_compiler_means_unavailable_and_one_warning(monkeypatch, tmp_path, ca
         assert len(warned) == 1
     finally:
         cpu_gemm._kernel.cache_clear()
+
+
+@needs_kernel
+def test_a_kernel_slower_than_torch_is_not_used_and_the_verdict_is_kept(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    timings = [(2e-3, 1e-3)]  # ours, F.linear's: the kernel loses
+
+    def timed(fn):
+        assert fn is cpu_gemm._kernel()
+        return timings.pop()
+    monkeypatch.setattr(cpu_gemm, "time_against_torch", timed)
+    cpu_gemm._kernel.cache_clear()
+    cpu_gemm._wins.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=cpu_gemm.__name__):
+            assert cpu_gemm.built() and not cpu_gemm.available() and not cpu_gemm.available()
+        assert [r.getMessage() for r in caplog.records if "loses: 2.00 ms against F.linear's 1.00 ms" in
+                r.getMessage()] and len(caplog.records) == 1
+        cpu_gemm._wins.cache_clear()  # a new process: the verdict is read back, nothing timed again
+        assert not cpu_gemm.available() and timings == []
+        kept = [f for f in os.listdir(cpu_kernels.kernel_dir()) if f.endswith(".so.timed")]
+        assert len(kept) == 1 and open(os.path.join(cpu_kernels.kernel_dir(), kept[0])).read().startswith("loses")
+    finally:
+        cpu_gemm._kernel.cache_clear()
+        cpu_gemm._wins.cache_clear()
+
+
+@needs_kernel
+def test_the_timing_compares_both_on_one_thread():
+    threads = torch.get_num_threads()
+    ours, theirs = cpu_gemm.time_against_torch(cpu_gemm._kernel(), shape=(64, 32), rows=(1, 3), repeats=1)
+    assert ours > 0 and theirs > 0 and torch.get_num_threads() == threads
