@@ -219,9 +219,9 @@ def time_against_torch(fn, shape=TRIAL_WEIGHT, rows=TRIAL_ROWS, repeats: int = 3
 @functools.lru_cache(maxsize=None)
 def _wins() -> bool:
     """Whether the built kernel is faster than ``F.linear`` on this machine: timed once per build
-    (``time_against_torch``), the verdict kept beside the library. On one processor it was 0.6x oneDNN's time
-    (AVX-512), on another the same 16-float tiles spilled their registers and took 10x ``F.linear``'s (AVX2)
-    until they got tiles of their own: a kernel that loses is never used."""
+    (``time_against_torch``), the verdict kept beside the library. On one machine its 16-float tiles took 0.6x
+    oneDNN's time, on another (AVX2) they spilled their registers and took 10x ``F.linear``'s until they got
+    tiles of their own: a kernel that loses is never used."""
     path = cpu_kernels.build("block_matmul", _SOURCE) + ".timed"
     try:
         with open(path) as f:
