@@ -7,7 +7,9 @@ runs ``scaled_dot_product_attention`` with an additive mask over the padding. Fo
 attends on this machine, that is mostly copies and operator overhead. This kernel reads each row's keys and
 values in place, by its block table's slot indices, once per KV head for all the query heads that share it,
 with a softmax over the row's own length (the last ``window`` tokens for a sliding-window layer): nothing is
-gathered, padded or masked.
+gathered, padded or masked. Its vectors have the processor's width: on an AVX2 EPYC (2026-12-07) one call for
+8 rows of SmolLM2's shape (9 query heads on 3 KV heads of 64) over 48 keys took 361 us with vectors of 16
+floats, 119 us with 8 (the 30 layers of a decode step: 10.8 against 3.6 ms).
 
 It is single-threaded (used where a worker computes on one intra-op thread, as ``cpu_gemm`` is), float32,
 and checked against SDPA before first use; where there is no compiler, the build fails or the check does,
@@ -31,23 +33,30 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-typedef float v16 __attribute__((vector_size(64)));
-static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
-static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
+/* a vector of the processor's width: 16 floats with AVX-512, else 8 (AVX2; wider ones emulated there took
+   3.3x as long) */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vec __attribute__((vector_size(VW * 4)));
+static inline vec ld(const float* p) { vec v; memcpy(&v, p, VW * 4); return v; }
+static inline void st(float* p, vec v) { memcpy(p, &v, VW * 4); }
 
 static float dot(const float* a, const float* b, long D) {
-  v16 acc = (v16){0};
+  vec acc = (vec){0};
   long d = 0;
-  for (; d + 16 <= D; d += 16) acc += ld(a + d) * ld(b + d);
+  for (; d + VW <= D; d += VW) acc += ld(a + d) * ld(b + d);
   float s = 0;
-  for (int i = 0; i < 16; i++) s += acc[i];
+  for (int i = 0; i < VW; i++) s += acc[i];
   for (; d < D; d++) s += a[d] * b[d];
   return s;
 }
 
 static void axpy(float* y, float w, const float* x, long D) {
   long d = 0;
-  for (; d + 16 <= D; d += 16) st(y + d, ld(y + d) + w * ld(x + d));
+  for (; d + VW <= D; d += VW) st(y + d, ld(y + d) + w * ld(x + d));
   for (; d < D; d++) y[d] += w * x[d];
 }
 
