@@ -38,6 +38,12 @@ def free_port():
         return s.getsockname()[1]
 
 
+def exit_on_sigterm() -> None:
+    """End on SIGTERM (``timeout``, ``kill``) as on Ctrl-C: the caller's ``finally`` stops the servers it started
+    (Python's default would leave them running)."""
+    signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
+
+
 def start(cmd, url, log_path, env, timeout_s: float = 300):
     """Start a server in a session of its own (its workers stopped with it); return once /health answers."""
     log = open(log_path, "w")
@@ -101,6 +107,7 @@ def main():
     p.add_argument("--max-loaded", type=int, default=1, help="computron's resident models (3: no swaps, as the peer)")
     p.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "computron-peer-serve"))
     args = p.parse_args()
+    exit_on_sigterm()
     tok = None
     paths = []
     for seed in range(3):

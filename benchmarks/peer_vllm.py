@@ -37,7 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_serve import free_port, start, stop  # noqa: E402 - this folder's
+from peer_serve import exit_on_sigterm, free_port, start, stop  # noqa: E402 - this folder's
 
 PROMPTS = [
     "The history of the printing press begins in",
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true",
                    help="check the checkpoint file and the vLLM venv only (no install, no server), then exit")
     args = p.parse_args(argv)
+    exit_on_sigterm()
     try:
         gguf_file = smollm2_gguf()
         py = None if args.vllm_url else vllm_python(os.path.expanduser(args.venv),

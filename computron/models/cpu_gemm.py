@@ -8,18 +8,18 @@ feature side by side), and, for a tile of activation rows, adds ``x[m, k] * bloc
 accumulator per row and block: the weight is read once, in order, and nothing is summed across lanes.
 The tiles fit the processor's vector registers: with AVX-512 (32 registers of 16 floats) up to 8 rows and two
 blocks together (twice the products per activation load; a single row splits ``K`` over two accumulators); else
-(AVX2: 16 registers of 8 floats) a block is two vectors and a tile up to 6 rows. A decode step of SmolLM2 in
-process (``benchmarks/decode_step.py --worker-linears --batch 1|8 --steps 16``, one thread) took, on the
-machine of 2026-12-05 (then only the 16-float tiles), 34 ms at batch 1 and 49-53 ms at batch 8 on these blocks against 55 and 77 ms on
-oneDNN's packs; on an AVX2 EPYC (2026-12-07) 50-52 and 70-88 ms against F.linear's 53-58 and 105-110 ms, where
-the 16-float tiles, spilling their registers, had taken 80-90 ms at batch 1 (10x F.linear's time for one
-product of 8 rows by the LM head). So a build is timed against
-``F.linear`` once (``_wins``) and used only where it is faster.
+(AVX2: 16 registers of 8 floats) a block is two vectors and a tile up to 6 rows. A decode step of SmolLM2
+in process (``benchmarks/decode_step.py --worker-linears --batch 1|8 --steps 16``, one thread) took, on the
+machine of 2026-12-05 (then only the 16-float tiles), 34 ms at batch 1 and 49-53 ms at batch 8 on these blocks
+against 55 and 77 ms on oneDNN's packs; on an AVX2 EPYC (2026-12-07) 50-52 and 70-88 ms against F.linear's
+53-58 and 105-110 ms, where the 16-float tiles, spilling their registers, had taken 80-90 ms at batch 1
+(``benchmarks/cpu_kernels.py``: one product of 8 rows by the LM head took them 8.6x F.linear's time, now
+0.44x). So a build is timed against ``F.linear`` once (``_wins``) and used only where it is faster.
 
 The C source below is compiled once per machine by ``cpu_kernels`` (GCC's vector extensions: no intrinsics,
 so any target builds it). Before first use its result is compared with
-``F.linear``; where there is no compiler, the build fails or the check does, ``available()`` is False (one
-WARNING says why) and ``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
+``F.linear``; where there is no compiler, the build fails, the check does or the kernel loses the timing,
+``available()`` is False (one WARNING says why) and ``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
 is single-threaded: it is used where a worker computes on one intra-op thread (this machine's default).
 """
 from __future__ import annotations

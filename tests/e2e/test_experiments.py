@@ -417,6 +417,29 @@ def test_kv_park_benchmark_pool_moves_the_formula_plus_partial_blocks():
 
 
 @pytest.mark.timeout(300)
+def test_cpu_kernels_benchmark_quick_path():
+    """benchmarks/cpu_kernels.py --quick: each built kernel timed against its torch operator at every case, the
+    ratios those of the times, the matmul's verdict on this machine reported, the threads given back."""
+    import torch
+    from computron.models import cpu_attention, cpu_gemm
+    before = torch.get_num_threads()
+    doc, _ = run_main(os.path.join(ROOT, "benchmarks", "cpu_kernels.py"), "--quick")
+    assert torch.get_num_threads() == before
+    assert doc["bench"] == "cpu_kernels" and doc["quick"] is True and doc["repeats"] == 1
+    cases = {"gemm": {f"{w}_rows{r}" for w in ("lm_head", "mlp") for r in (1, 8)} if cpu_gemm.built() else None,
+             "attention": {"keys16"} if cpu_attention.available() else None}
+    for kind, names in cases.items():
+        if names is None:
+            assert "not built" in doc[kind]
+            continue
+        assert set(doc[kind]) == names
+        for c in doc[kind].values():
+            assert c["kernel_ms"] > 0 and c["torch_ms"] > 0
+            assert c["ratio"] == pytest.approx(c["kernel_ms"] / c["torch_ms"], rel=0.05)
+    assert doc.get("gemm_verdict") == (cpu_gemm.available() if cpu_gemm.built() else None)
+
+
+@pytest.mark.timeout(300)
 def test_cpu_linear_benchmark_quick_path():
     """benchmarks/cpu_linear.py at opt-tiny: every form timed at each thread count and row count, the ratios are
     those of the times it reports, the swapped (weight-first and packed) Linears pick the plain ones' greedy
