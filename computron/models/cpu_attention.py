@@ -7,9 +7,10 @@ runs ``scaled_dot_product_attention`` with an additive mask over the padding. Fo
 attends on this machine, that is mostly copies and operator overhead. This kernel reads each row's keys and
 values in place, by its block table's slot indices, once per KV head for all the query heads that share it,
 with a softmax over the row's own length (the last ``window`` tokens for a sliding-window layer): nothing is
-gathered, padded or masked. Its vectors have the processor's width: on an AVX2 EPYC (2026-12-07) one call for
-8 rows of SmolLM2's shape (9 query heads on 3 KV heads of 64) over 48 keys took 361 us with vectors of 16
-floats, 119 us with 8 (the 30 layers of a decode step: 10.8 against 3.6 ms).
+gathered, padded or masked. Its vectors have the processor's width: on an AVX2 EPYC (2026-12-07) the calls of a
+decode step's 30 layers for 8 rows of SmolLM2's shape (9 query heads on 3 KV heads of 64) over 48 keys took
+10.8 ms with vectors of 16 floats, 3.2 ms with 8, against 8.3-8.7 ms gathered for SDPA
+(``benchmarks/cpu_kernels.py``).
 
 It is single-threaded (used where a worker computes on one intra-op thread, as ``cpu_gemm`` is), float32,
 and checked against SDPA before first use; where there is no compiler, the build fails or the check does,
