@@ -88,3 +88,21 @@ def test_the_timing_compares_both_on_one_thread():
     threads = torch.get_num_threads()
     ours, theirs = cpu_gemm.time_against_torch(cpu_gemm._kernel(), shape=(64, 32), rows=(1, 3), repeats=1)
     assert ours > 0 and theirs > 0 and torch.get_num_threads() == threads
+
+
+@needs_kernel
+def test_a_cache_that_cannot_keep_the_verdict_still_decides(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cpu_gemm, "time_against_torch", lambda fn: (1e-3, 2e-3))  # the kernel wins
+
+    def refuse(path, text):
+        raise PermissionError(f"{path}: read-only")
+    monkeypatch.setattr(cpu_kernels, "write_beside", refuse)
+    cpu_gemm._kernel.cache_clear()
+    cpu_gemm._wins.cache_clear()
+    try:
+        assert cpu_gemm.available()
+        assert not [f for f in os.listdir(cpu_kernels.kernel_dir()) if f.endswith(".timed")]
+    finally:
+        cpu_gemm._kernel.cache_clear()
+        cpu_gemm._wins.cache_clear()
