@@ -9,7 +9,11 @@ Prints exactly one JSON line on stdout. One intra-op thread (where a worker uses
 - ``attention``: ``cpu_attention``'s decode call for 8 rows of SmolLM2's shape (9 query heads on 3 KV heads
   of 64) over 16, 48 and 96 keys of a paged pool, against ``cpu_attention.reference`` (the pool gathered, then
   SDPA: what a step does without the kernel);
-- ``gemm_verdict``: what ``cpu_gemm`` decided on this machine (its one-time timing against ``F.linear``).
+- ``gemm_verdict``: what ``cpu_gemm`` decided on this machine (its one-time timing against ``F.linear``);
+- ``per_call``: what a decode step of SmolLM2 spends around its products, one row: its 211 Linear calls on
+  blocked weights (a 192 x 576 weight) the short way (``FewRowLinear``: ``cpu_gemm.Call``) against the long
+  way (``cpu_linear.linear``), and its 61 RMS norms as ``cpu_norm.FusedRMSNorm`` against transformers'
+  ``LlamaRMSNorm``.
 
     .venv/bin/python benchmarks/cpu_kernels.py              # seconds
     .venv/bin/python benchmarks/cpu_kernels.py --quick      # small shapes, one repeat (the tests' path)
@@ -87,7 +91,30 @@ def measure(args) -> dict:
                 lambda: [cpu_attention.reference(*call) for _ in range(30)], repeats)
     else:
         out["attention"] = "not built here (see the WARNING)"
+    out["per_call"] = per_call(gen, repeats)
     out["machine"] = machine_info()
+    return out
+
+
+def per_call(gen, repeats: int) -> dict:
+    from torch import nn
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from computron.models import cpu_gemm, cpu_linear, cpu_norm
+    out = {}
+    x = torch.randn(1, 1, 576, generator=gen)
+    lin = nn.Linear(576, 192, bias=False)  # made outside inference mode, as a model's weights are
+    cpu_linear.use_cpu_kernels(lin, pack=True)
+    hf, fused = LlamaRMSNorm(576, eps=1e-5), LlamaRMSNorm(576, eps=1e-5)
+    cpu_norm.use_fused_norms(fused)
+    with torch.inference_mode():
+        if cpu_gemm.available():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-4, atol=1e-4)
+            out["linear_calls211"] = best_pair(lambda: [lin(x) for _ in range(211)],
+                                               lambda: [cpu_linear.linear(x, lin.weight, None, lin)
+                                                        for _ in range(211)], repeats)
+        assert torch.equal(fused(x), hf(x))
+        out["rms_norm_calls61"] = best_pair(lambda: [fused(x) for _ in range(61)],
+                                            lambda: [hf(x) for _ in range(61)], repeats)
     return out
 
 

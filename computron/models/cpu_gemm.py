@@ -28,7 +28,7 @@ import ctypes
 import functools
 import logging
 import time
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -274,6 +274,44 @@ def _run(fn, x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor
     return y if bias is None or fused else y.add_(bias)
 
 
+class Call(NamedTuple):
+    """The kernel's call on one blocked weight, what ``cpu_linear.FewRowLinear`` runs per product in eager
+    steps (gradients off, not compiling): everything ``matmul`` derives at each call, derived once. ``key``
+    names the weight it was blocked from (``cpu_linear.packed_weight``'s); a call on anything else returns
+    None (the caller takes the long way, which packs again or falls back)."""
+    key: tuple
+    fn: object
+    blocked: torch.Tensor
+    pointer: int
+    k: int
+    nb: int
+
+    @staticmethod
+    def of(key: tuple, blocked: torch.Tensor, out_features: int) -> Optional["Call"]:
+        """The call on ``blocked``, or None where the kernel or its fast case does not apply (padded
+        blocks: ``out_features`` not a multiple of ``BLOCK``)."""
+        nb = blocked.shape[0]
+        fn = _kernel()
+        if fn is None or nb * BLOCK != out_features:
+            return None
+        return Call(key, fn, blocked, blocked.data_ptr(), blocked.shape[1], nb)
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor], key: tuple) -> Optional[torch.Tensor]:
+        if key != self.key or torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu \
+                or x.dim() < 2 or x.shape[-1] != self.k or not x.is_contiguous():
+            return None
+        rows = x.numel() // self.k
+        if not 0 < rows <= MAX_ROWS:
+            return None
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return None
+        width = self.nb * BLOCK
+        y = torch.empty(rows, width, dtype=torch.float32)
+        self.fn(x.data_ptr(), self.pointer, None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                self.k, self.nb, width)
+        return y.view(*x.shape[:-1], width)
+
+
 def matmul(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor], out_features: int):
     """``x @ W^T + bias`` for float32 ``x`` of any leading shape on a CPU, ``W`` as ``block`` left it;
     ``available()`` must be True."""
@@ -283,4 +321,4 @@ def matmul(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
     return _run(_kernel(), flat, blocked, bias, out_features).view(*x.shape[:-1], out_features)
 
 
-__all__ = ["available", "built", "time_against_torch", "block", "matmul", "BLOCK", "MAX_ROWS"]
+__all__ = ["available", "built", "time_against_torch", "block", "matmul", "Call", "BLOCK", "MAX_ROWS"]

@@ -25,6 +25,10 @@ compiled trace (``decode_compile``: inductor picks its own kernel), it is ``F.li
 are the same products in another order: results agree with ``F.linear`` to float rounding, as a batched row
 already differs from the same row computed alone.
 
+Once a weight is blocked, its Linear keeps the kernel's call (``cpu_gemm.Call``) and takes it first in
+inference: what ``linear`` checks and derives at every product is checked once per pack, and a call costs
+11.5 us where it cost 16.8 (one row by a 192 x 576 weight, one thread: a decode step of SmolLM2 makes 211).
+
 ``use_cpu_kernels(module, pack)`` makes a runner's plain ``nn.Linear`` modules call ``linear`` (a class
 swap: the same module objects, hooks and all) and sets whether every such Linear packs its weight.
 """
@@ -52,6 +56,7 @@ microseconds (opt-tiny's 64 x 64 to 512 x 64: 15-44 us packed against 3-35 us; f
 requests per second (89 against 107, two runs each; ``benchmarks/data/burst_cpu_before_after_2026-12-04.jsonl``)."""
 
 _PACK = "_computron_packed"
+_CALL = "_computron_call"  # the blocked kernel's call on this pack (``cpu_gemm.Call``), for ``FewRowLinear``
 
 
 def packing_available() -> bool:
@@ -89,6 +94,7 @@ def packed_weight(holder: nn.Module, weight: torch.Tensor) -> Tuple[str, torch.T
                 torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
         holder.__dict__[_PACK] = held
         holder.packed, holder.packed_kind = held[2], kind
+        holder.__dict__[_CALL] = cpu_gemm.Call.of(key, held[2], weight.shape[0]) if kind == BLOCKED else None
     return held[1], held[2]
 
 
@@ -125,7 +131,8 @@ def _packs(x: torch.Tensor, weight: torch.Tensor, holder: Optional[nn.Module]) -
     return (holder is not None and getattr(holder, "pack_weights", False) and weight.dtype == torch.float32
             and x.dtype == torch.float32
             and weight.numel() >= PACK_MIN
-            and x.dim() >= 2 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and x.dim() >= 2 and x.shape[-1] == weight.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn.Module] = None) -> torch.Tensor:
@@ -165,14 +172,24 @@ class FewRowLinear(nn.Linear):
     pack_weights = False
 
     def forward(self, x):
+        call = self.__dict__.get(_CALL)
+        # the common case first: a packed weight's product, few Python steps
+        if call is not None and self.pack_weights and not torch.compiler.is_compiling():
+            w = self._parameters["weight"]
+            y = call(x, self._parameters["bias"], (w.data_ptr(), w._version, tuple(w.shape)))
+            if y is not None:
+                return y
         return linear(x, self.weight, self.bias, self)
 
 
 def use_cpu_kernels(module: nn.Module, pack: bool = True) -> int:
     """Swap every plain ``nn.Linear`` under ``module`` to ``FewRowLinear``, but those split by DTensor (whose
     product DTensor's dispatch computes), and let every Linear computed by ``linear`` pack its weight where
-    ``pack`` (and oneDNN is there); returns how many were swapped."""
+    ``pack`` (and oneDNN is there); returns how many were swapped. Its RMS norms become one operator each
+    where that is the same norm (``cpu_norm``)."""
     from .._torch_compat import local_tensor
+    from .cpu_norm import use_fused_norms
+    use_fused_norms(module)
     n = 0
     pack = pack and (packing_available() or cpu_gemm.available())
     for sub in module.modules():
@@ -189,6 +206,7 @@ def release_packs(module: nn.Module) -> int:
     freed = 0
     for sub in module.modules():
         held = sub.__dict__.pop(_PACK, None)
+        sub.__dict__.pop(_CALL, None)
         sub.__dict__.pop("packed", None)
         sub.__dict__.pop("packed_kind", None)
         if held is not None:

@@ -188,3 +188,47 @@ def test_a_weight_under_pack_min_keeps_f_linear_and_one_at_it_packs():
             x = torch.randn(3, lin.in_features)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert packed_bytes(small) == 0 and packed_bytes(big) == PACK_MIN * 4
+
+
+needs_blocks = pytest.mark.skipif(not cpu_linear.cpu_gemm.available(),
+                                  reason="cpu_gemm's kernel is not built or loses to F.linear here")
+
+
+@needs_blocks
+def test_a_blocked_weight_is_called_the_short_way_only_where_it_applies(threads, pack_any_size):
+    """After its first product a blocked weight has its kernel call (``cpu_gemm.Call``): later products in
+    inference take it and equal ``F.linear``; with gradients on, a changed weight, another feature count, a
+    strided input or more rows than the kernel takes, the long way (differentiable, packed again, a clear
+    error, a copy, ``F.linear``)."""
+    threads(1)
+    torch.manual_seed(0)
+    lin = _packed_linear(64, 32)
+    with torch.inference_mode():
+        lin(torch.randn(1, 32))
+        call = lin.__dict__["_computron_call"]
+        assert isinstance(call, cpu_linear.cpu_gemm.Call)
+        for shape in [(1, 32), (8, 32), (2, 7, 32), (64, 32), (65, 32), (0, 32)]:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        strided = torch.randn(4, 64)[:, ::2]
+        torch.testing.assert_close(lin(strided), F.linear(strided, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError):
+            lin(torch.randn(3, 31))                  # as F.linear says: the kernel never reads past the weight
+    with torch.no_grad():
+        lin.weight.mul_(3)                           # its version moves: packed again, a new call
+        x = torch.randn(2, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        assert lin.__dict__["_computron_call"] is not call
+    out = lin(torch.randn(2, 32))                    # gradients on: F.linear
+    assert out.grad_fn is not None
+    assert release_packs(lin) == 64 * 32 * 4 and "_computron_call" not in lin.__dict__
+
+
+@needs_blocks
+def test_a_weight_whose_blocks_are_padded_keeps_the_long_way(threads, pack_any_size):
+    threads(1)
+    lin = _packed_linear(40, 32)                     # 40 features: the last block padded
+    with torch.inference_mode():
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert lin.__dict__["_computron_call"] is None and lin.packed_kind == cpu_linear.BLOCKED
