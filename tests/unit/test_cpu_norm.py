@@ -43,10 +43,26 @@ def test_gemma_and_other_formulas_keep_their_own_forward():
     gemma, other = _norm(Gemma3RMSNorm), ScaledRMSNorm(24)
     assert use_fused_norms(nn.Sequential(gemma, other)) == 0
     assert type(gemma) is Gemma3RMSNorm and type(other) is ScaledRMSNorm
+    assert not cpu_norm.same_as_fused(Gemma3RMSNorm, torch.float32, 24, 1e-6)
     assert not cpu_norm.same_as_fused(ScaledRMSNorm, torch.float32, 24, 1e-6)
 
 
-def test_a_norm_that_cannot_be_probed_is_left_alone():
+def test_only_transformers_norms_are_probed():
+    """A class of this project or of a user is never run on a probe (``ShardedRMSNorm`` would all-reduce)."""
+    from computron.models.decoder_split import ShardedRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class LlamaLikeRMSNorm(LlamaRMSNorm):        # Llama's formula, but not transformers' class
+        pass
+
+    sharded = ShardedRMSNorm()
+    sharded.weight, sharded.variance_epsilon = nn.Parameter(torch.ones(8)), 1e-6
+    user = _norm(LlamaLikeRMSNorm)
+    assert use_fused_norms(nn.Sequential(sharded, user)) == 0
+    assert type(sharded) is ShardedRMSNorm and type(user) is LlamaLikeRMSNorm
+
+
+def test_a_norm_that_cannot_be_probed_is_not_the_same():
     class BrokenRMSNorm(nn.Module):
         def __init__(self, width):
             super().__init__()
@@ -56,5 +72,4 @@ def test_a_norm_that_cannot_be_probed_is_left_alone():
         def forward(self, x):
             raise RuntimeError("needs a process group")
 
-    norm = BrokenRMSNorm(8)
-    assert use_fused_norms(norm) == 0 and type(norm) is BrokenRMSNorm
+    assert not cpu_norm.same_as_fused(BrokenRMSNorm, torch.float32, 8, 1e-6)
