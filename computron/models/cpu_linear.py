@@ -80,12 +80,17 @@ def pack_kind() -> str:
     return BLOCKED if one and cpu_gemm.available() else ONEDNN
 
 
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What a pack was made from: the weight's storage, version counter and shape (any change: pack again)."""
+    return weight.data_ptr(), weight._version, tuple(weight.shape)
+
+
 def packed_weight(holder: nn.Module, weight: torch.Tensor) -> Tuple[str, torch.Tensor]:
     """``(kind, weight packed)``: in ``pack_kind()``'s layout, packed on first use and again whenever the
     weight's storage or contents changed (its data pointer or version counter: a load into another buffer, a
     copy into this one). The pack and its kind are also the holder's ``packed`` and ``packed_kind``
     attributes, which a compiled step reads (``linear``)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    key = weight_key(weight)
     held = holder.__dict__.get(_PACK)
     if held is None or held[0] != key:
         kind = pack_kind()
@@ -175,8 +180,7 @@ class FewRowLinear(nn.Linear):
         call = self.__dict__.get(_CALL)
         # the common case first: a packed weight's product, few Python steps
         if call is not None and self.pack_weights and not torch.compiler.is_compiling():
-            w = self._parameters["weight"]
-            y = call(x, self._parameters["bias"], (w.data_ptr(), w._version, tuple(w.shape)))
+            y = call(x, self._parameters["bias"], weight_key(self._parameters["weight"]))
             if y is not None:
                 return y
         return linear(x, self.weight, self.bias, self)
