@@ -228,3 +228,23 @@ def write_tiny_llama_gguf(path, seed: int = 0) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+class _LatePoisonEmbedding(torch.nn.Embedding):
+    """An embedding that raises at its ``poison_at``-th forward of a single token (a decode step of one
+    sequence), once: a decode step that fails on a worker, with the model fine before and after."""
+
+    def forward(self, ids):
+        if ids.numel() == 1:
+            self.decodes = getattr(self, "decodes", 0) + 1
+            if self.decodes == self.poison_at:
+                raise ValueError(f"decode {self.poison_at} is poison")
+        return super().forward(ids)
+
+
+def late_poisoned_lm(path, poison_at: int = 4):
+    model = zoo.load_causal_lm(path)
+    emb = model.get_input_embeddings()
+    emb.__class__ = _LatePoisonEmbedding
+    emb.poison_at = poison_at
+    return model

@@ -116,6 +116,10 @@ class Step:
     fill: Tuple[Tuple[int, int], ...] = ()
     """Chunked prefill: ``(sid, tokens)`` of sequences part-way through their prompt that prefill their next
     ``tokens`` prompt tokens in this step (none of them is sampled until its prompt is complete)."""
+    ahead: bool = False
+    """Sent while the model's step before it was in flight (``EngineConfig.step_ahead``): where that one
+    failed on any rank, every rank fails this one without running it (``p2p.any_rank``), since the ranks'
+    batches may differ until the master's realigning drop, which comes behind it."""
 
 
 @dataclass(frozen=True)

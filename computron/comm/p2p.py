@@ -1,4 +1,4 @@
-"""Activations between pipeline stages, with failure passed downstream.
+"""Activations between pipeline stages, with failure passed downstream; failures agreed on by every rank.
 
 Each transfer sends a small int64 header first: ``[status, dtype code, ndim,
 *shape]``. A stage that failed sends status 1 and no data, so the stages
@@ -46,6 +46,15 @@ def recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
     out = torch.empty(shape, dtype=_DTYPES[h[1]], device=device)
     dist.recv(out, src=src, group=group)
     return out
+
+
+def any_rank(flag: bool, group, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (every rank calls it; one rank alone asks nobody)."""
+    if dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def broadcast_with_status(t: torch.Tensor, ok: bool, src: int, group) -> bool:

@@ -49,7 +49,7 @@ def make_scheduler(config: EngineConfig, model_configs: List[ModelConfig],
                    workers: List[msg.WorkerReady]) -> Scheduler:
     """The engine's scheduler for these models, with their sizes and the device budget. One batch (or step)
     in flight per model: workers run commands in order anyway, and a second batch sent early would only
-    split a burst into smaller batches."""
+    split a burst into smaller batches. (A token-level step may have its next sent ahead: ``step_ahead``.)"""
     paper = config.paper_mode
     return Scheduler([mc.model_id for mc in model_configs], config.max_loaded,
                      prefetch=config.prefetch and not paper, overlap=config.overlap and not paper,

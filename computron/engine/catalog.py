@@ -30,7 +30,6 @@ from ..errors import ModelChangeError, ModelConflictError, UnknownModelError
 from ..sched.scheduler import ModelState, Scheduler
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
-from .sequences import TokenBatch
 from .swaps import Swaps
 from .token_level import TokenLevel
 
@@ -173,12 +172,7 @@ class Catalog:
         bm = batch_manager_for(batching, self._config.max_batch_size, mc)
         queue_size = self._config.queue_size if mc.queue_size is None else mc.queue_size
         self._requests.add_model(key, bm, queue_size)
-        if (self._config.step_mode and not self._config.paper_mode and isinstance(bm, CausalLMBatchManager)
-                and batching is not None):
-            self._token_level.add_model(key, TokenBatch(bm, bm.max_batch_size, self._config.max_step_tokens,
-                                                        self._config.max_loras,
-                                                        chunked=self._config.kv_cache == "paged"))
-        elif isinstance(bm, CausalLMBatchManager):
+        if not self._token_level.adopt(key, bm, batching) and isinstance(bm, CausalLMBatchManager):
             bm.request_level = True  # whole batches per command: no per-sequence sampling controls
 
     # ---- removing ------------------------------------------------------------

@@ -27,7 +27,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from .. import preflight
-from ..batching.causal_lm import CausalLMBatchManager, batch_manager_for
+from ..batching.causal_lm import batch_manager_for
 from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
@@ -42,7 +42,7 @@ from .host_models import HostModels, HostModelsControl
 from .liveness import Liveness
 from .preparation import PumpSoon, preparation_pool
 from .requests import RequestTable
-from .sequences import TokenBatch, consume
+from .sequences import consume
 from .swaps import Swaps
 from .telemetry import Telemetry
 from .token_level import TokenLevel
@@ -62,8 +62,7 @@ class Engine(EngineViews, HostModelsControl):
         self._on_close = on_close
         self._batch_managers = {mc.model_id: batch_manager_for(
             self._batching_info(mc.model_id), config.max_batch_size, mc) for mc in model_configs}
-        paper = config.paper_mode
-        self._sched = make_scheduler(config, model_configs, workers)  # one batch (or step) in flight per model
+        self._sched = make_scheduler(config, model_configs, workers)
         self._lock = threading.RLock()  # re-entered: a reply handler may end in _die
         self._pump_soon = PumpSoon(self._pump, self._lock)  # a caller's requests of one loop tick: one step
         self._telemetry = Telemetry(config.metrics_history)
@@ -71,13 +70,10 @@ class Engine(EngineViews, HostModelsControl):
             mc.model_id: config.queue_size if mc.queue_size is None else mc.queue_size for mc in model_configs},
             self._telemetry)
         self._tracker = CommandTracker(self.n_workers, channel)
-        token_batches = {}
-        if config.step_mode and not paper:
-            token_batches = {m: TokenBatch(bm, bm.max_batch_size, config.max_step_tokens, config.max_loras,
-                                           chunked=config.kv_cache == "paged") for m, bm in self._batch_managers.items()
-                             if isinstance(bm, CausalLMBatchManager) and self._batching_info(m) is not None}
-        self._token_level = TokenLevel(token_batches, self._requests, self._tracker, self._telemetry,
-                                       self._sched, config.kv_swap, self.n_workers, workers[0].device)
+        self._token_level = TokenLevel(config, self._requests, self._tracker, self._telemetry, self._sched,
+                                       self.n_workers, workers[0].device, self._pump_soon.now)
+        for m, bm in self._batch_managers.items():
+            self._token_level.adopt(m, bm, self._batching_info(m))
         self._swaps = Swaps(self._sched, self._tracker, self._requests, self._token_level, self._telemetry,
                             self.n_workers, config.host_budget, workers)
         self._request_level = RequestLevel(self._batch_managers, self._requests, self._tracker, self._telemetry,
@@ -292,7 +288,7 @@ class Engine(EngineViews, HostModelsControl):
             self._adapters.reap()
             now = time.perf_counter()
             heads = self._heads(now)
-            actions = self._sched.decide(heads, self._token_level.live_models(), now)
+            actions = self._sched.decide(heads, self._token_level.live_models(), now, self._token_level.ahead(now))
             if not actions:
                 return
             for a in actions:
@@ -373,6 +369,7 @@ class Engine(EngineViews, HostModelsControl):
             log.error(self._dead)
             self._fail_everything()
             self._stopped.set()
+        self._token_level.stop_ahead()
 
     def _fail_everything(self) -> None:
         """Fail every waiting request and query with the engine's reason. Caller holds the lock."""
@@ -392,6 +389,7 @@ class Engine(EngineViews, HostModelsControl):
             self._dead = self._dead or "engine is shutting down"
             self._fail_everything()
             self._closed.set()
+        self._token_level.stop_ahead()
         self._preparation.shutdown(wait=False, cancel_futures=True)
         try:
             if self._on_close is not None:

@@ -45,3 +45,8 @@ class PumpSoon:
         with self._lock:
             self._pending.discard(loop)
             self._pump()
+
+    def now(self) -> None:
+        """Run ``pump`` now, on the calling thread."""
+        with self._lock:
+            self._pump()

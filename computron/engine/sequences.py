@@ -154,6 +154,8 @@ class TokenBatch:
         """Paused sequences whose KV cache was dropped: re-admitted first, as prompt + generated tokens."""
         self.paused_since: Optional[float] = None
         """When the model was last preempted (its running sequences parked), None while it runs."""
+        self.last_step: frozenset = frozenset()
+        """The sequences the step ``next_step`` chose last brings a token for (those not mid-prefill)."""
 
     @property
     def live(self) -> bool:
@@ -275,7 +277,19 @@ class TokenBatch:
             admit.append(joining)
         self.fill = tuple(fill)
         self.step_tokens = sum(n for _, n in fill) + sum(a.chunk or len(a.prompt) for a in admit)
+        self.last_step = frozenset(self.running) - set(self.filling)
         return admit, self.take_drops(), rejected
+
+    def wants_step_ahead(self, queue: Deque[SubmitEntry]) -> bool:
+        """Whether a step sent now, behind the one in flight (the last ``next_step`` chose), has work: a
+        sequence mid-prefill, one that ``max_tokens`` does not end with that step, or room for a waiting
+        request. An EOS or stop string may still end them: that step then runs for nothing."""
+        if self.paused_since is not None or self.to_recompute:
+            return False
+        if queue and len(self.running) < self.max_batch_size:
+            return True
+        return any(sid in self.filling or len(req.tokens) + (sid in self.last_step) < req.spec.max_tokens
+                   for sid, req in self.running.items())
 
     def _join(self, spec: SeqSpec, budget: StepBudget, resume: bool = False) -> Optional[SeqSpec]:
         """``spec`` as it joins this step (a first chunk only, where chunked), or None: it waits. A recompute

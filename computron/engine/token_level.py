@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..batching.causal_lm import CausalLMBatchManager
 from ..comm import messages as msg
+from ..config import EngineConfig
 from ..errors import PayloadError, WorkerError
 from ..metrics import KVRecord, PreemptionRecord, StepRecord
 from ..sched.policies import choose_recompute, prefill_apart
 from ..sched.scheduler import Scheduler
+from ..sched.step_ahead import StepAhead
 from .commands import CommandKind, CommandTracker, PendingCommand
 from .requests import RequestTable
 from .sequences import Cancelled, Request, TokenBatch
 from .telemetry import Telemetry
+from .wake import WakeAt
 
 log = logging.getLogger("computron.engine")
 
@@ -35,28 +39,61 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 
 
 class TokenLevel:
-    def __init__(self, batches: Dict[str, TokenBatch], requests: RequestTable, tracker: CommandTracker,
-                 telemetry: Telemetry, scheduler: Scheduler, kv_swap: str, n_workers: int, device: str = "cpu"):
-        self.batches = batches
+    def __init__(self, config: EngineConfig, requests: RequestTable, tracker: CommandTracker,
+                 telemetry: Telemetry, scheduler: Scheduler, n_workers: int, device: str,
+                 pump: Callable[[], None]):
+        """``pump``: the engine's, run (under its lock) when a step is due to go ahead."""
+        self.batches: Dict[str, TokenBatch] = {}
+        self._config = config
         self._requests = requests
         self._tracker = tracker
         self._telemetry = telemetry
         self._sched = scheduler
-        self._kv_swap = kv_swap
+        self._kv_swap = config.kv_swap
         self._n_workers = n_workers
         self._device_type = device.split(":")[0]
+        lead = config.step_ahead_lead_ms
+        self._ahead = StepAhead(None if lead is None else lead / 1e3)
+        self._ahead_due = WakeAt(pump, "computron-step-ahead")
 
-    def add_model(self, model_id: str, batch: TokenBatch) -> None:
-        self.batches[model_id] = batch
+    def adopt(self, model_id: str, bm, batching: Optional[msg.BatchingDefaults]) -> bool:
+        """Give ``model_id`` a running batch where it generates token by token (a causal LM whose workers
+        gave its batching defaults, step mode on, not paper mode); False: it runs whole batches."""
+        c = self._config
+        if not (c.step_mode and not c.paper_mode and isinstance(bm, CausalLMBatchManager) and batching is not None):
+            return False
+        self.batches[model_id] = TokenBatch(bm, bm.max_batch_size, c.max_step_tokens, c.max_loras,
+                                            chunked=c.kv_cache == "paged")
+        return True
 
     def remove_model(self, model_id: str) -> None:
         self.batches.pop(model_id, None)
+        self._ahead.forget(model_id)
 
     def __contains__(self, model_id: str) -> bool:
         return model_id in self.batches
 
     def live_models(self) -> List[str]:
         return [m for m, tb in self.batches.items() if tb.live]
+
+    def ahead(self, now: float) -> List[str]:
+        """Models whose next step may go out now, behind their one step in flight (``EngineConfig.step_ahead``,
+        ``sched/step_ahead.py``); the engine is pumped again when the next other one may."""
+        ready, wake = [], None
+        for m, tb in self.batches.items() if self._config.step_ahead else ():
+            if not tb.running or self._sched.in_flight(m) != 1 or not tb.wants_step_ahead(self._requests.queues[m]):
+                continue
+            due = self._ahead.due(m)
+            if due is not None and due <= now:
+                ready.append(m)
+            elif due is not None:
+                wake = due if wake is None else min(wake, due)
+        if wake is not None:
+            self._ahead_due.at(wake)
+        return ready
+
+    def stop_ahead(self) -> None:
+        self._ahead_due.stop()
 
     def head(self, model_id: str, now: float) -> Optional[float]:
         tb = self.batches.get(model_id)
@@ -73,17 +110,24 @@ class TokenLevel:
                 getattr(exc, "param", None), str(exc)))
         apart = prefill_apart(len(tb.running) - len(admit), [len(a.prompt) for a in admit],
                               self._sched.sizes.get(model_id, 0), self._device_type)
+        ahead = self._sched.in_flight(model_id) > 1  # the scheduler counts this one already
         pending = self._tracker.send(
             CommandKind.STEP, model_id,
-            lambda seq: msg.Step(seq, model_id, admit=tuple(admit), drop=drop, prefill_apart=apart, fill=tb.fill),
+            lambda seq: msg.Step(seq, model_id, admit=tuple(admit), drop=drop, prefill_apart=apart, fill=tb.fill,
+                                 ahead=ahead),
             start=t0, uids=tuple(tb.running), admitted=len(admit), dropped=len(drop),
             prompt_tokens=tb.step_tokens)
         pending.master_s = time.perf_counter() - t0
+        self._ahead.sent(model_id, t0, tb.step_tokens)
 
     def complete_step(self, p: PendingCommand, now: float, error: Optional[str]) -> None:
         m = p.model_id
         tb = self.batches[m]
         self._sched.on_batch_done(m)
+        start = self._ahead.start(m, p.start)
+        if error is None:
+            self._ahead.answered(m, p.start, now, max((b - a for a, b in p.rank_times().values()), default=0.0),
+                                 p.prompt_tokens)
         done = p.of_type(msg.StepDone)
         out = next((x for x in done if x.sids), None)
         self._telemetry.counters["steps"][m] += 1
@@ -92,7 +136,8 @@ class TokenLevel:
             victims = tb.take_all()
             for req in victims:
                 self._requests.finish(req.uid, error=WorkerError(f"model {m!r}: {error}"), batch_seq=p.seq)
-            if any(x.running for x in done):  # some ranks kept sequences the others dropped: realign
+            # some ranks kept sequences the others dropped, or a step sent ahead admits some: realign
+            if any(x.running for x in done) or self._sched.in_flight(m):
                 stale = tuple(sorted({r.uid for r in victims} | set(p.uids)))
                 self._cleanup(m, lambda seq: msg.Step(seq, m, drop=stale))
         elif out is not None:
@@ -102,15 +147,15 @@ class TokenLevel:
                 self._requests.finish(req.uid, torch.tensor(req.tokens, dtype=torch.int64), batch_seq=p.seq)
         restored = sum(x.kv_restored_bytes for x in done)
         if restored:
-            self._telemetry.record(KVRecord("kv_restore", m, p.start, now, restored,
+            self._telemetry.record(KVRecord("kv_restore", m, start, now, restored,
                                             {x.rank: (x.start, x.start + x.kv_restore_s) for x in done},
-                                            wall_start=self._telemetry.wall(p.start)))
-        if error is None and p.prompt_tokens and now > p.start:
-            self._telemetry.prefill_done(m, p.prompt_tokens, now - p.start)
+                                            wall_start=self._telemetry.wall(start)))
+        if error is None and p.prompt_tokens and now > start:
+            self._telemetry.prefill_done(m, p.prompt_tokens, now - start)
         self._telemetry.record(StepRecord(
-            m, p.start, now, running=len(out.sids) if out else 0, admitted=p.admitted, dropped=p.dropped,
+            m, start, now, running=len(out.sids) if out else 0, admitted=p.admitted, dropped=p.dropped,
             rank_times=p.rank_times(), error=error, seq=p.seq, kv_bytes=out.kv_bytes if out else 0,
-            master_s=p.master_s + (time.perf_counter() - now), wall_start=self._telemetry.wall(p.start),
+            master_s=p.master_s + (time.perf_counter() - now), wall_start=self._telemetry.wall(start),
             prefill_tokens=out.prefill_tokens if out else 0))
 
     # ---- preemption ----------------------------------------------------------

@@ -9,8 +9,8 @@ which is what makes queuing an offload behind a running batch safe.
 
 Rules:
 - models are visited oldest head first; a model mid-transition is skipped;
-- a resident model gets a batch if it has fewer than ``max_inflight`` in flight
-  (only one once an older model is waiting for a slot, so it drains);
+- a resident model gets a batch if it has fewer than ``max_inflight`` in flight, one more if
+  ``ahead`` and alone with work (only one once an older model is waiting for a slot, so it drains);
 - a model that is not resident is loaded into a free slot, or into the slot of
   a resident model that has nothing in flight (the first in eviction order); a
   model with batches in flight is never offloaded;
@@ -177,12 +177,12 @@ class Scheduler:
 
     # ---- decisions -----------------------------------------------------------
     def decide(self, heads: Mapping[str, float], running: Iterable[str] = (),
-               now: Optional[float] = None) -> List[Action]:
-        """``heads``: each model with work and the arrival time of its oldest request (for a model whose
-        sequences are paused: when they paused). ``running``: models with live sequences on the workers
-        (token-level generation); they are evicted only by preemption. ``now``: the caller's clock, on
-        the scale of ``heads``; without it nothing is preempted."""
-        running = set(running)
+               now: Optional[float] = None, ahead: Iterable[str] = ()) -> List[Action]:
+        """``heads``: each model with work and the arrival time of its oldest request (for a model whose sequences
+        are paused: when they paused). ``running``: models with live sequences on the workers (token-level
+        generation); they are evicted only by preemption. ``now``: the caller's clock, on the scale of ``heads``;
+        without it nothing is preempted. ``ahead``: models that may send a step ahead of the one running."""
+        running, ahead = set(running), set(ahead) if len(heads) == 1 else set()
         unknown = [m for m in heads if m not in self.states]
         if unknown:
             raise KeyError(f"unknown model ids in heads: {unknown}")
@@ -195,7 +195,7 @@ class Scheduler:
         for m in order:
             state = self.states[m]
             if self._runnable(m):
-                limit = 1 if waiting_for_slot else self.max_inflight
+                limit = 1 if waiting_for_slot else self.max_inflight + (m in ahead)
                 if self.inflight[m] < limit:
                     self.inflight[m] += 1
                     self._unserved.discard(m)

@@ -39,6 +39,10 @@ from .shard_builder import BackgroundJobs, ShardBuilder
 log = logging.getLogger("computron.worker")
 
 
+class StepAborted(RuntimeError):
+    """A step sent ahead of one that failed on some rank: no rank ran it (``messages.Step.ahead``)."""
+
+
 class Worker(ModelChanges, HostTier):
     def __init__(self, rank: int, groups, channel, model_configs: List[ModelConfig],
                  engine_config: EngineConfig, device: torch.device):
@@ -55,6 +59,7 @@ class Worker(ModelChanges, HostTier):
         self.host_pool = HostPool(pin=device.type == "cuda") if engine_config.host_budget is not None else None
         self._host_clock = 0  # host LRU: last load of each model
         self._busy: Optional[tuple] = None  # (seq, since) of the command being executed
+        self._failed_steps: set = set()  # models whose last step raised here (a step sent ahead then aborts)
         self._stop_heartbeat = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._builder = ShardBuilder(rank, groups, device, engine_config, self.pool, self.copy_stream,
@@ -268,9 +273,13 @@ class Worker(ModelChanges, HostTier):
         if not isinstance(runner, GenerativeRunner):
             raise TypeError(f"model {cmd.model_id!r} does not generate tokens step by step")
         t0 = time.perf_counter()
+        if cmd.ahead and p2p.any_rank(cmd.model_id in self._failed_steps, runner.ctx.groups.data, runner.ctx.device):
+            raise StepAborted(f"model {cmd.model_id!r}: not run: the step it was sent behind failed")
+        self._failed_steps.add(cmd.model_id)
         with torch.no_grad():  # not inference_mode: see _on_run
             out = runner.step(cmd, store.wait_segment)
         self._sync_device()
+        self._failed_steps.discard(cmd.model_id)
         if not runner.ctx.is_output_rank:  # every rank knows the step's outcome; one reports the tokens
             out = dataclasses.replace(out, sids=(), tokens=(), ended=(), logprobs=(), prompt_logprobs={})
         self.channel.reply(msg.StepDone(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=t0,

@@ -2,7 +2,7 @@
 import asyncio
 
 import pytest
-from helpers import POISON_TOKEN, greedy_reference, poisoned_lm
+from helpers import POISON_TOKEN, greedy_reference, late_poisoned_lm, poisoned_lm
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, WorkerError, zoo
 
@@ -109,5 +109,27 @@ def test_failing_step_fails_only_its_model(checkpoints):
                 assert (await t).tolist() == greedy_reference(good_ref, _prompt(i), 30).tolist()
             after = await engine.submit("bad", {"input_ids": _prompt(7), "max_tokens": 8})
             assert after.tolist() == greedy_reference(bad_ref, _prompt(7), 8).tolist()
+            assert engine.is_alive
+    asyncio.run(go())
+
+
+def test_a_decode_step_failing_with_one_sent_ahead_aborts_that_one_on_every_rank(checkpoints):
+    """PP=2, each decode step sent as soon as the one before it (a lead longer than any step): the fourth
+    decode step fails on the first stage; the step already sent behind it runs on no rank (their batches
+    may differ until the master's realigning drop, queued behind it), the request fails with the first
+    error, and the model serves the next request right."""
+    ref = zoo.load_causal_lm(checkpoints["opt0"])
+
+    async def go():
+        engine = LaunchEngine(EngineConfig(max_loaded=1, step_ahead_lead_ms=60_000),
+                              [ModelConfig("m", late_poisoned_lm, {"path": checkpoints["opt0"]})], 1, 2)
+        async with engine:
+            with pytest.raises(WorkerError, match="decode 4 is poison"):
+                await engine.submit("m", {"input_ids": _prompt(0), "max_tokens": 12})
+            after = await engine.submit("m", {"input_ids": _prompt(1), "max_tokens": 8})
+            assert after.tolist() == greedy_reference(ref, _prompt(1), 8).tolist()
+            errors = [r.error for r in engine.metrics("step") if r.error]
+            assert len(errors) == 2, errors
+            assert "decode 4 is poison" in errors[0] and "the step it was sent behind failed" in errors[1]
             assert engine.is_alive
     asyncio.run(go())

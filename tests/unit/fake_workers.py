@@ -298,7 +298,8 @@ def build_engine(models: Sequence[Any] = ("a",), *, lms: Optional[Iterable[str]]
     """``(engine, workers)``: an Engine over fake workers, not started (no watchdog thread).
 
     ``models``: model ids or ModelConfigs; ``lms``: the ones reported as causal LMs (token-level
-    generation; default all); ``config``: EngineConfig fields (``max_loaded`` defaults to 1)."""
+    generation; default all); ``config``: EngineConfig fields (``max_loaded`` defaults to 1; ``step_ahead`` to
+    False: these workers answer at once, so every step would go ahead, where the tests count steps)."""
     configs = [m if isinstance(m, ModelConfig) else ModelConfig(m, model_fn) for m in models]
     lms = {mc.model_id for mc in configs} if lms is None else set(lms)
     layout = Layout(tp=tp, pp=pp, master_rank=tp * pp, master_is_worker=False)
@@ -309,6 +310,7 @@ def build_engine(models: Sequence[Any] = ("a",), *, lms: Optional[Iterable[str]]
                              host_bytes={mc.model_id: workers.nbytes for mc in configs}, batching=batching)
              for r in range(layout.n_workers)]
     config.setdefault("max_loaded", 1)
+    config.setdefault("step_ahead", False)
     engine = Engine(EngineConfig(**config), configs, layout, workers.channel, ready, on_close=on_close)
     workers.engine = engine
     return engine, workers

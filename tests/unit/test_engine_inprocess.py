@@ -88,11 +88,12 @@ async def test_without_overlap_the_first_step_waits_for_loaded():
     assert (await result(task)).tolist() == expected_tokens(0, 3, 3)
 
 
+@pytest.mark.parametrize("step_ahead, n_steps", [(False, 5), (True, 6)])  # ahead: one step runs for nothing
 @async_test
-async def test_eos_ends_a_sequence_before_max_tokens_and_stream_yields_the_same_tokens():
+async def test_eos_ends_a_sequence_before_max_tokens_and_stream_yields_the_same_tokens(step_ahead, n_steps):
     full = expected_tokens(0, 3, 20, eos=())
     eos = full[4]  # the fifth token of sid 0 is made the EOS
-    engine, w = build_engine(eos=eos)
+    engine, w = build_engine(eos=eos, step_ahead=step_ahead)
     tokens = []
 
     async def consume():
@@ -102,7 +103,8 @@ async def test_eos_ends_a_sequence_before_max_tokens_and_stream_yields_the_same_
     w.answer_all()
     await result(task)
     assert tokens == full[:5] == expected_tokens(0, 3, 20, eos=(eos,))
-    assert len(steps(w)) == 5
+    assert len(steps(w)) == n_steps
+    assert w.sequences["a"] == {}
 
 
 @async_test
