@@ -5,8 +5,8 @@ The engine is driven by two kinds of event, both ending in ``_pump``: a caller's
 transport's receiver thread). ``_pump`` asks the scheduler what to do and hands
 each decision to the component that carries it out; a reply goes, once every
 rank has sent one, to the handler of its command's kind. Futures and streams are
-resolved on their own loop with ``call_soon_threadsafe``. Nothing waits by
-sleeping; the liveness watchdog wakes on a timer only to check on the workers.
+resolved on their own loop with ``call_soon_threadsafe``. Nothing waits by sleeping; the
+liveness watchdog wakes on a timer to check on the workers, and ``TokenLevel``'s to send a step ahead.
 
 Components (one owner each, all called under the engine's lock): ``requests.RequestTable`` (queues, answers),
 ``commands.CommandTracker`` (sequence numbers, replies per rank), ``token_level.TokenLevel`` (every running
