@@ -33,9 +33,10 @@ from ..comm.transport import WorkerChannel
 from ..config import EngineConfig, ModelConfig, check_model_configs, check_world
 from ..engine import Engine
 from ..engine.budget import check_memory
-from ..errors import LaunchError, worker_exit_reason
+from ..errors import LaunchError
 from ..worker.worker import Worker
 from .affinity import pin
+from .spawned import SpawnedWorkers
 from .prefetch import prefetch_startup
 from .process_setup import (adopt_environment, device_for, die_with_parent, destroy_group_in_background,
                             host_rendezvous, join_rendezvous, keepalive_interval, rendezvous_error,
@@ -116,50 +117,6 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     os._exit(0)
 
 
-class _SpawnedWorkers:
-    """The worker processes of this node, and the one way to stop them."""
-
-    def __init__(self, procs: List[mp.Process], first_rank: int):
-        self.procs = procs
-        self.first_rank = first_rank
-
-    def sentinels(self):
-        return [p.sentinel for p in self.procs]
-
-    def stop(self, grace_s: float) -> None:
-        """Let the workers exit within ``grace_s``, then SIGKILL them (they ignore SIGTERM and SIGINT:
-        the master decides; a stopped process is ended by SIGKILL too)."""
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                if grace_s > 0:
-                    log.warning("%s did not exit within %.1fs: killing it", p.name, grace_s)
-                p.kill()
-        for p in self.procs:
-            p.join()
-
-    def exited(self, wait_s: float) -> Optional[str]:
-        """Which worker exited, waiting up to ``wait_s`` for one (a broken connection comes first)."""
-        ready = mpc.wait(self.sentinels(), timeout=wait_s)
-        for p in self.procs:
-            if p.sentinel in ready:
-                p.join(1)
-                return worker_exit_reason(self.first_rank + self.procs.index(p), p.exitcode)
-        return None
-
-    def monitor(self, on_exit) -> None:
-        def watch():
-            ready = mpc.wait(self.sentinels())
-            for p in self.procs:
-                if p.sentinel in ready:
-                    p.join(5)  # reap it, so its exit code is known
-                    on_exit(self.first_rank + self.procs.index(p), p.exitcode)
-                    return
-        threading.Thread(target=watch, name="computron-worker-watch", daemon=True).start()
-
-
 def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_rank: int) -> Optional[Engine]:
     if n_nodes > 1 and config.master_port == 0:
         raise ValueError("EngineConfig.master_port=0: several nodes need a fixed rendezvous port")
@@ -188,7 +145,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
         send_end.close()
         procs.append(p)
         status.append(recv_end)
-    workers = _SpawnedWorkers(procs, first)
+    workers = SpawnedWorkers(procs, first)
     if node_rank != 0:  # this node only hosts workers
         try:
             _await_ready(workers, status, None, config.start_timeout_s)
@@ -266,7 +223,7 @@ def _spawn(config: EngineConfig, configs, tp: int, pp: int, n_nodes: int, node_r
     return engine
 
 
-def _await_ready(workers: _SpawnedWorkers, status, wake, timeout: float, init=None) -> List[msg.WorkerReady]:
+def _await_ready(workers: SpawnedWorkers, status, wake, timeout: float, init=None) -> List[msg.WorkerReady]:
     """Wait for every worker's ready message; raise LaunchError on the first failure or death.
 
     A worker that dies closes its end of the status pipe, which wakes the wait with EOF; ``wake`` fires when
