@@ -82,8 +82,9 @@ class EngineConfig:
     is expected to end (``sched/step_ahead.py``), so that the workers start it at once instead of waiting for
     the master to read the last step's tokens, stream them and decide again (1.5-2 ms of a 45 ms step of 8
     on this project's 2-core CPU under HTTP load). A request arriving in that short while joins the step
-    after it. Nothing goes ahead of a prefill, when ``max_tokens`` ends every running sequence with the step
-    in flight, or while another model has work (its steps fill the gaps). False: the next step is formed
+    after it. Nothing goes ahead of a prefill, of a step shorter than twice the lead (the master would never
+    pause), when ``max_tokens`` ends every running sequence with the step in flight, or while another model
+    has work (its steps fill the gaps). False: the next step is formed
     once the last one is answered."""
     step_ahead_lead_ms: Optional[float] = None
     """How long before the running step's expected end the next one goes (``step_ahead``); None: twice

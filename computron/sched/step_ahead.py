@@ -8,7 +8,9 @@ step goes ahead as late as it safely can, ``lead`` before the running step is ex
 from the model's recent decode steps (the answer's time less the step's start), the lead twice the last
 steps' overhead beyond the workers' own time (the command's trip there and the answer's back), at least
 ``MIN_LEAD_S`` (or the one ``EngineConfig.step_ahead_lead_ms`` fixes). A step that prefills has no such
-estimate (its time grows with its prompts): the one after it waits for its answer.
+estimate (its time grows with its prompts): the one after it waits for its answer; nor does a step shorter
+than twice its measured lead, whose successor would go the moment it is sent: the master would then answer
+and send without a pause, and its event loop (the HTTP clients, a client that leaves) fall behind the tokens.
 
 A step sent ahead starts when the one before it is answered, not when it was sent: ``start`` says which,
 for the step's records as for the estimate.
@@ -72,7 +74,11 @@ class StepAhead:
         m = self._models.get(model_id)
         if m is None or m.sent is None or m.step_s is None:
             return None
-        lead = max(MIN_LEAD_S, 2 * m.overhead_s) if self._lead_s is None else self._lead_s
+        if self._lead_s is not None:
+            return self.start(model_id, m.sent) + m.step_s - self._lead_s
+        lead = max(MIN_LEAD_S, 2 * m.overhead_s)
+        if m.step_s < 2 * lead:
+            return None  # every step would go at once: the master, busy all the time, would outrun its clients
         return self.start(model_id, m.sent) + m.step_s - lead
 
     def forget(self, model_id: str) -> None:

@@ -93,7 +93,7 @@ async def test_without_overlap_the_first_step_waits_for_loaded():
 async def test_eos_ends_a_sequence_before_max_tokens_and_stream_yields_the_same_tokens(step_ahead, n_steps):
     full = expected_tokens(0, 3, 20, eos=())
     eos = full[4]  # the fifth token of sid 0 is made the EOS
-    engine, w = build_engine(eos=eos, step_ahead=step_ahead)
+    engine, w = build_engine(eos=eos, step_ahead=step_ahead, step_ahead_lead_ms=60_000)  # every step ahead
     tokens = []
 
     async def consume():

@@ -22,6 +22,11 @@ from computron.sched.scheduler import ActionKind, Scheduler  # noqa: E402
 from computron.sched.step_ahead import MIN_LEAD_S, SMOOTHING, StepAhead  # noqa: E402
 
 
+LEAD_MS = 60_000
+"""A lead longer than any step: each step goes ahead as soon as the one before it is sent (answers come at once
+here, where a measured lead would send none ahead: their steps are shorter than twice the lead)."""
+
+
 # ---- the policy -----------------------------------------------------------------------------------
 
 def test_no_step_goes_ahead_before_a_decode_step_was_timed_nor_behind_a_prefill():
@@ -44,6 +49,17 @@ def test_due_is_the_expected_end_less_twice_the_overhead_and_at_least_the_minimu
     b.answered("m", 0.0, 0.050, worker_s=0.0499, prompt_tokens=0)
     b.sent("m", 0.050, prompt_tokens=0)
     assert b.due("m") == pytest.approx(0.100 - MIN_LEAD_S)
+
+
+def test_steps_shorter_than_twice_the_measured_lead_send_none_ahead_and_a_fixed_lead_always_applies():
+    a = StepAhead()
+    a.answered("m", 0.0, 0.003, worker_s=0.002, prompt_tokens=0)  # 3 ms steps, 2 ms lead
+    a.sent("m", 0.003, prompt_tokens=0)
+    assert a.due("m") is None
+    b = StepAhead(lead_s=0.5)
+    b.answered("m", 0.0, 0.003, worker_s=0.002, prompt_tokens=0)
+    b.sent("m", 0.003, prompt_tokens=0)
+    assert b.due("m") == pytest.approx(0.006 - 0.5)
 
 
 def test_a_step_sent_ahead_starts_when_the_one_before_is_answered_and_estimates_smooth():
@@ -98,7 +114,7 @@ def test_wake_at_calls_back_at_the_earliest_time_asked_and_stops():
 
 @async_test
 async def test_decode_steps_go_ahead_and_none_after_the_last_token():
-    engine, w = build_engine(step_ahead=True)
+    engine, w = build_engine(step_ahead=True, step_ahead_lead_ms=LEAD_MS)
     task = await started(engine.submit("a", gen(max_tokens=6)))
     w.answer()  # Load
     assert [c.ahead for c in w.pending()] == [False]  # the prefill: nothing goes behind it
@@ -115,7 +131,7 @@ async def test_decode_steps_go_ahead_and_none_after_the_last_token():
 
 async def _one_step_ahead(max_tokens: int):
     """An engine over fake workers with one sequence decoding and a step sent ahead of the one in flight."""
-    engine, w = build_engine(step_ahead=True)
+    engine, w = build_engine(step_ahead=True, step_ahead_lead_ms=LEAD_MS)
     task = await started(engine.submit("a", gen(max_tokens=max_tokens)))
     for _ in range(3):  # the load, the prefill, the first (timed) decode step
         w.answer()
