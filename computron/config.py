@@ -58,6 +58,12 @@ class EngineConfig:
     """CPU workers run a paged decode step's attention straight from the KV pool (``models/cpu_attention.py``,
     one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
     False keeps the model's own SDPA over the gathered keys."""
+    cpu_helpers: bool = True
+    """CPU workers computing on one intra-op thread share their Linears' products with helper threads at idle
+    priority, one per core beyond the workers' (``models/cpu_gemm_source.py``; ``runtime/affinity.py`` counts
+    them), each keeping off its worker's core: whatever else wants a core (the master, a client) runs first,
+    an idle core takes chunks of the product. Results are the same bit for bit. False: one thread per worker,
+    as vLLM's CPU worker."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
@@ -205,6 +211,8 @@ class EngineConfig:
             _fail(c, "pin_workers", self.pin_workers, "must be 'off' or 'auto'")
         if not isinstance(self.cpu_decode_attention, bool):
             _fail(c, "cpu_decode_attention", self.cpu_decode_attention, "must be True or False")
+        if not isinstance(self.cpu_helpers, bool):
+            _fail(c, "cpu_helpers", self.cpu_helpers, "must be True or False")
         if not isinstance(self.pack_cpu_linears, bool):
             _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True or False")
         if self.kv_cache not in ("dynamic", "paged"):

@@ -35,12 +35,11 @@ from ..engine import Engine
 from ..engine.budget import check_memory
 from ..errors import LaunchError
 from ..worker.worker import Worker
-from .affinity import pin
 from .spawned import SpawnedWorkers
 from .prefetch import prefetch_startup
 from .process_setup import (adopt_environment, device_for, die_with_parent, destroy_group_in_background,
                             host_rendezvous, join_rendezvous, keepalive_interval, rendezvous_error,
-                            setup_logging, threads_per_worker)
+                            pin_and_lend, setup_logging, threads_per_worker)
 from .reply_router import ReplyRouter
 from .worker_start import in_fork_server, start_server, worker_context
 
@@ -91,10 +90,10 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     die_with_parent(parent_thread_lasts)
     setup_logging(config, rank)
     threads = threads_per_worker(config, local_world)
-    pin(config.pin_workers, local_rank, local_world, threads)
-    torch.set_num_threads(threads)
     try:
         device = device_for(config, local_rank, local_world)
+        pin_and_lend(config, device, local_rank, local_world, threads)  # before torch starts its threads
+        torch.set_num_threads(threads)
         join_rendezvous(addr, port, rank, layout.world_size, config.rendezvous_timeout_s)
         groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
         channel = WorkerChannel(groups)

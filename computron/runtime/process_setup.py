@@ -1,6 +1,6 @@
 """Per-process set-up of the engine's processes (the master and each worker): logging, the torch threads a
-worker gets, its device, dying with the parent, and the rendezvous store (how workers are started:
-``worker_start``)."""
+worker gets, its pinning and the helper threads it lends its CPU products to, its device, dying with the
+parent, and the rendezvous store (how workers are started: ``worker_start``)."""
 from __future__ import annotations
 
 import ctypes
@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 def host_rendezvous(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -176,3 +178,37 @@ def threads_per_worker(config: EngineConfig, local_world: int) -> int:
     if config.worker_threads:
         return config.worker_threads
     return max(1, ((os.cpu_count() or 1) - 1) // local_world)  # leave a core to the master
+
+
+def usable_cores() -> List[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def pin_and_lend(config: EngineConfig, device: torch.device, local_rank: int, local_world: int,
+                 threads: int) -> int:
+    """Pin this worker where ``EngineConfig.pin_workers`` says so or where it gets helper threads
+    (``EngineConfig.cpu_helpers``: they need the worker to keep its core), to cores no other worker of this host
+    holds (``core_claims``), and start the helpers on the cores left; returns how many helpers run. Where its
+    cores are taken, it is neither pinned nor helped (one INFO line says so)."""
+    from . import affinity, core_claims
+    cores = usable_cores()
+    enabled = device.type == "cpu" and config.cpu_helpers and config.pack_cpu_linears
+    helpers = affinity.helper_count(enabled, len(cores), local_world, threads)
+    wanted = "auto" if helpers else config.pin_workers
+    if not hasattr(os, "sched_setaffinity") or affinity.worker_cores(wanted, cores, local_rank, local_world,
+                                                                     threads) is None:
+        return 0
+    mine = core_claims.claim(affinity.claim_order(cores, local_rank, local_world, threads), threads)
+    if not mine:
+        log.info("worker %d: the cores it would be pinned to are held by other workers "
+                                         "on this host: not pinned, no helper threads", local_rank)
+        return 0
+    os.sched_setaffinity(0, mine)
+    where = affinity.helper_cores(helpers, cores, mine, [c for c in cores if core_claims.held_elsewhere(c)])
+    if not where:
+        return 0
+    from ..models import cpu_gemm
+    return cpu_gemm.lend_cores(min(helpers, len(where)), where)
