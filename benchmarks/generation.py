@@ -68,6 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="token,request")
     p.add_argument("--policy", default="quantum", help="EngineConfig.policy of the token-level run")
     p.add_argument("--kv-cache", choices=("dynamic", "paged"), help="EngineConfig.kv_cache (default: its default)")
+    p.add_argument("--cpu-helpers", choices=("on", "off"), help="EngineConfig.cpu_helpers (default: on)")
 
 
 def parse_modes(text: str):
@@ -112,7 +113,8 @@ def run_mode(args, mode, ids, reqs):
                for i, mid in enumerate(ids)]
     config = EngineConfig(max_loaded=args.max_loaded or len(ids), max_batch_size=args.max_batch_size,
                           step_mode=(mode == "token"), worker_threads=args.threads, policy=args.policy,
-                          **({"kv_cache": args.kv_cache} if getattr(args, "kv_cache", None) else {}))
+                          **({"kv_cache": args.kv_cache} if getattr(args, "kv_cache", None) else {}),
+                          **({"cpu_helpers": args.cpu_helpers == "on"} if getattr(args, "cpu_helpers", None) else {}))
     print(f"[{mode}] starting {len(ids)} x {args.model}, TP={args.tp} PP={args.pp}, "
           f"max_loaded={config.max_loaded}", file=sys.stderr, flush=True)
     engine = LaunchEngine(config, configs, args.tp, args.pp)

@@ -129,6 +129,10 @@ def test_workers_exit_by_themselves_when_their_master_is_gone(checkpoints, tmp_p
     family = []
     try:
         first = nodes[0].stdout.readline()
+        if not first:  # node 0 ended: say why
+            nodes[0].wait(timeout=60)
+            logs[0].seek(0)
+            pytest.fail(f"node 0 exited with {nodes[0].returncode}: {logs[0].read()[-3000:]}")
         assert first.strip() == str(greedy_reference(checkpoints["opt0"], [2, 5], 3).tolist()), first
         pids = json.loads(nodes[0].stdout.readline())
         workers = [psutil.Process(p) for p in pids.values()]
