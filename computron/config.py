@@ -47,8 +47,9 @@ class EngineConfig:
     """
     pin_workers: str = "off"
     """'auto': each worker process spawned on this host runs on cores of its own (``worker_threads`` of them,
-    counted from the last core), the first core left to the master, where the cores suffice for that
-    (``runtime/affinity.py``); 'off': the OS places them."""
+    counted from the last core, none another worker of this host holds), the first core left to the master,
+    where the cores suffice for that (``runtime/affinity.py``); 'off': the OS places them, but for a CPU worker
+    with helper threads (``cpu_helpers``)."""
     pack_cpu_linears: bool = True
     """CPU workers run their models' Linears on weights packed once per load (``models/cpu_linear.py``: in
     ``models/cpu_gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
@@ -61,9 +62,10 @@ class EngineConfig:
     cpu_helpers: bool = True
     """CPU workers computing on one intra-op thread share their Linears' products with helper threads at idle
     priority, one per core beyond the workers' (``models/cpu_gemm_source.py``; ``runtime/affinity.py`` counts
-    them), each keeping off its worker's core: whatever else wants a core (the master, a client) runs first,
-    an idle core takes chunks of the product. Results are the same bit for bit. False: one thread per worker,
-    as vLLM's CPU worker."""
+    them): whatever else wants a core (the master, a client) runs first, an idle core takes chunks of the
+    product. A worker with helpers is pinned as ``pin_workers='auto'`` pins, to a core no other worker of the
+    host holds (``runtime/core_claims.py``), and its helpers keep off it. Results are the same bit for bit.
+    False: one thread per worker, as vLLM's CPU worker."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
