@@ -16,8 +16,8 @@ against 55 and 77 ms on oneDNN's packs; on an AVX2 EPYC (2026-12-07) 50-52 and 7
 (``benchmarks/cpu_kernels.py``: one product of 8 rows by the LM head took them 8.6x F.linear's time, now
 0.44x). So a build is timed against ``F.linear`` once (``_wins``) and used only where it is faster.
 
-The C source below is compiled once per machine by ``cpu_kernels`` (GCC's vector extensions: no intrinsics,
-so any target builds it). Before first use its result is compared with ``F.linear``; where there is no
+The C source (``cpu_gemm_source``) is compiled once per machine by ``cpu_kernels`` (GCC's vector extensions:
+no intrinsics, so any target builds it). Before first use its result is compared with ``F.linear``; where there is no
 compiler, the build fails, the check does or the kernel loses the timing, ``available()`` is False (one
 WARNING says why) and ``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
 is used where a worker computes on one intra-op thread (this machine's default); ``lend_cores`` gives it

@@ -150,6 +150,7 @@ static void range(const float* x, const float* w, const float* b, float* y, long
 #include <time.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #define MAX_HELPERS 8
@@ -169,6 +170,7 @@ static _Atomic long inside[MAX_HELPERS];  /* the job a helper is working on, 0 w
 static _Atomic int caller_busy;           /* one product at a time uses the helpers */
 static int helpers;
 static long slow_ns;                      /* tests: a helper waits this long in each chunk it takes */
+static int normal_priority;               /* tests: helpers of normal priority (a busy machine runs them) */
 static float scratch[MAX_HELPERS][MAX_SCRATCH];
 static cpu_set_t allowed;                 /* where helpers may run */
 
@@ -223,7 +225,7 @@ static void help(int h, long job, const job_t* j) {
 static void* helper_main(void* arg) {
   int h = (int)(long)arg;
   struct sched_param none = {0};
-  pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
+  if (!normal_priority) pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
   int heard = atomic_load(&bell);
   long idle_since = now_ns();
   for (;;) {
@@ -257,6 +259,7 @@ int computron_gemm_lend(int n, const int* cpus, int ncpus) {
   if (helpers || n <= 0) return helpers;
   if (!registered) { pthread_atfork(NULL, NULL, forget_helpers); registered = 1; }
   if (n > MAX_HELPERS) n = MAX_HELPERS;
+  normal_priority = getenv("COMPUTRON_HELPERS_NORMAL_PRIORITY") != NULL;
   CPU_ZERO(&allowed);
   if (ncpus > 0)
     for (int i = 0; i < ncpus; i++) CPU_SET(cpus[i], &allowed);

@@ -92,7 +92,8 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     threads = threads_per_worker(config, local_world)
     try:
         device = device_for(config, local_rank, local_world)
-        pin_and_lend(config, device, local_rank, local_world, threads)  # before torch starts its threads
+        # before torch starts its intra-op threads (they inherit the pinning)
+        pin_and_lend(config, device, local_rank, local_world, threads, layout.n_workers)
         torch.set_num_threads(threads)
         join_rendezvous(addr, port, rank, layout.world_size, config.rendezvous_timeout_s)
         groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))
