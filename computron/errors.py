@@ -81,8 +81,17 @@ class LaunchError(ComputronError):
     """A worker failed to start; the message holds its traceback."""
 
 
+class HubError(ComputronError, ValueError):
+    """A Hugging Face hub id (``org/name``, ``org/name@rev``, ``org/name:FILE.gguf``) that cannot be resolved to
+    a local path: not in the cache with ``HF_HUB_OFFLINE`` set or the hub unreachable, no such repository,
+    revision or file, a snapshot that is no checkpoint (``hub.py``). One line naming the id and the cache
+    directory; the engine raises it as a ``PreflightError``, ``computron serve`` as a configuration error,
+    before any worker starts."""
+
+
 class GGUFError(ComputronError, ValueError):
     """A ``.gguf`` file that cannot be served (not GGUF, truncated, an architecture transformers cannot read,
     a quantization the gguf package cannot dequantize) or whose converted checkpoint cannot be written to
     the cache (``storage/gguf.py``). One line naming the file and the problem; the engine raises it as a
     ``PreflightError``, ``computron serve`` as a configuration error, before any worker starts."""
+

@@ -5,7 +5,9 @@ Every fact here has one home: the dtype names a checkpoint may be loaded in
 directory hold a tokenizer (``TOKENIZER_FILES``), and which of these loaders
 read a checkpoint directory named by their ``path`` argument
 (``loader_checkpoint``; ``checkpoint_of`` adds ``ModelConfig.checkpoint``: what ``checkpoint`` reads slice by slice).
-Nothing is downloaded: every loader passes ``local_files_only``.
+transformers downloads nothing: every loader passes ``local_files_only``. A loader's ``path`` may be a hub id
+(``org/name``, ``org/name@rev``, ``org/name:FILE.gguf``), resolved through huggingface_hub's cache by ``hub.py``
+(the engine's preflight does it once on the master, so the workers get the local path).
 
 The random-weight fixtures that write such checkpoints live in
 :mod:`computron.testing`. Importing this module does not import torch (the CLI
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
+
+from . import hub
 
 DTYPES = ("float32", "float16", "bfloat16")
 """dtype names a model may be loaded in; each is also the name of the torch dtype."""
@@ -66,8 +70,8 @@ def _dtype_kwargs(dtype: Optional[str], where: str) -> Dict[str, Any]:
 
 
 def load_causal_lm(path: str, dtype: Optional[str] = None):
-    """Load a local causal-LM checkpoint directory (never the hub): the ``model_fn`` of ``computron serve``
-    and of the examples.
+    """Load a local causal-LM checkpoint directory: the ``model_fn`` of ``computron serve`` and of the examples.
+    A hub id that names no local path is resolved first (``hub.resolve``: ``HubError`` when it cannot be).
 
     ``dtype`` (``float32``, ``float16``, ``bfloat16``) converts the weights on load; None keeps the
     checkpoint's own dtype.
@@ -76,6 +80,7 @@ def load_causal_lm(path: str, dtype: Optional[str] = None):
     (float32 unless ``dtype`` says otherwise). Through the engine (``ModelConfig``) or ``computron serve`` the
     master converts it once instead and the workers read the cached directory (``storage/gguf.py``).
     """
+    path = hub.resolve(path)
     if isinstance(path, (str, os.PathLike)) and os.fspath(path).lower().endswith(".gguf") and os.path.isfile(path):
         from transformers import AutoModelForCausalLM
         _quiet_transformers()
@@ -85,15 +90,17 @@ def load_causal_lm(path: str, dtype: Optional[str] = None):
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
         what = "is not a directory" if isinstance(path, (str, os.PathLike)) and os.path.exists(path) else \
             "does not exist"
-        raise FileNotFoundError(f"load_causal_lm: checkpoint directory {path!r} {what} "
-                                "(local checkpoints only: nothing is downloaded)")
+        raise FileNotFoundError(f"load_causal_lm: checkpoint directory {path!r} {what} (nor is it a hub id: "
+                                "org/name, org/name@revision, org/name:FILE.gguf)")
     from transformers import AutoModelForCausalLM
     _quiet_transformers()
     return AutoModelForCausalLM.from_pretrained(path, **_dtype_kwargs(dtype, f"load_causal_lm({path!r})")).eval()
 
 
 def load_encoder(path: str, dtype: Optional[str] = None):
-    """Load a local encoder/ViT checkpoint with the class its config names (never the hub): a ``model_fn``."""
+    """Load a local encoder/ViT checkpoint with the class its config names (a hub id is resolved first, as
+    ``load_causal_lm`` does): a ``model_fn``."""
+    path = hub.resolve(path)
     from transformers import AutoConfig
     _quiet_transformers()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -110,7 +117,8 @@ CHECKPOINT_LOADERS: Tuple[Callable, ...] = (load_causal_lm, load_encoder)
 
 def loader_checkpoint(model_fn: Callable, kwargs: Dict[str, Any]) -> Optional[Tuple[str, Optional[str]]]:
     """``(path, dtype or None)`` when ``model_fn(**kwargs)`` is one of ``CHECKPOINT_LOADERS`` reading a local
-    directory; None for any other function, or for arguments whose meaning is not known here."""
+    directory (or a hub id the preflight resolves into one); None for any other function, or for arguments
+    whose meaning is not known here."""
     if not any(model_fn is f for f in CHECKPOINT_LOADERS) or not isinstance(kwargs.get("path"), (str, os.PathLike)):
         return None
     if set(kwargs) - {"path", "dtype"}:

@@ -8,6 +8,8 @@ instead of later as a worker's traceback:
   ``loading.load_causal_lm``'s ``path``, ``from_pretrained``'s
   ``pretrained_model_name_or_path`` when it is a local path, or any
   ``path``/``checkpoint``-like keyword that names a missing file);
+- a Hugging Face hub id there instead (``org/name[@rev][:FILE.gguf]``, ``hub.py``) that cannot be had: resolved
+  here, once, through huggingface_hub's cache, and the config names the local path from then on;
 - a ``.gguf`` file there instead (``ModelConfig.checkpoint``, a loader's ``path``) that is not GGUF, is
   truncated, or holds an architecture or tensor type that cannot be read, or a conversion cache that
   cannot be written. A good one is converted here, once (``storage/gguf.py``): the config names the
@@ -28,8 +30,8 @@ instead of later as a worker's traceback:
   with neither ``GLOO_SOCKET_IFNAME`` nor ``NCCL_SOCKET_IFNAME`` set (``loopback_host_problem``): gloo
   would tell the other nodes an address they cannot reach, and the rendezvous would wait in vain.
 
-Nothing here builds a model or touches the network: it reads ``config.json``
-files and binds one socket (and converts a ``.gguf`` file not converted before).
+Nothing here builds a model: it reads ``config.json`` files and binds one socket (and converts a ``.gguf``
+file not converted before, and fetches a hub id the cache lacks where the network allows).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import socket
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from .config import EngineConfig, ModelConfig
-from .errors import GGUFError, LaunchError
+from .errors import GGUFError, HubError, LaunchError
 
 # keyword arguments of a model_fn that name a file or directory on disk
 _PATH_KEYS = ("path", "checkpoint", "checkpoint_path", "ckpt", "ckpt_path", "model_path", "checkpoint_dir",
@@ -290,6 +292,12 @@ def _convert_gguf(mc: ModelConfig) -> None:
 
 
 def _check_model(mc: ModelConfig, tp: int, pp: int) -> None:
+    from . import hub
+    from .loading import CHECKPOINT_LOADERS
+    try:
+        hub.resolve_config(mc, CHECKPOINT_LOADERS)
+    except HubError as exc:
+        raise PreflightError(f"model {mc.model_id!r}: {exc}") from None
     _convert_gguf(mc)
     mid, fn, kw = mc.model_id, mc.model_fn, mc.model_kwargs
     if mc.checkpoint is not None:  # read slice by slice on the workers: it must be there now

@@ -6,6 +6,7 @@
     computron serve cls=ckpt/bert-sst2 emb=ckpt/bert --task emb=embedding   # encoders: /v2 and /v1/embeddings
     computron serve --model-repository models/ --repository-poll 10   # each models/NAME loads on first use
     computron serve smol=SmolLM2-135M-Instruct.Q4_1.gguf --pp 2    # a GGUF file: converted once, cached
+    computron serve llama=org/name org/name@v1.0 org/repo-GGUF:m.Q4_1.gguf   # hub ids, via the HF cache
 
 Encoder (bert, roberta, xlm-roberta) and ViT checkpoints are served over the Open
 Inference Protocol (/v2/models/ID/infer); embedding models also at /v1/embeddings.
@@ -54,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoints", nargs="*", metavar="[ID=]PATH",
                    help="checkpoint directories or .gguf files (the model id is the directory name, or the "
                    "file's without .gguf, unless ID= names it); a .gguf file is dequantized to --dtype "
-                   "(default float32) once, into $COMPUTRON_CACHE_DIR/gguf (default ~/.cache/computron/gguf)")
+                   "(default float32) once, into $COMPUTRON_CACHE_DIR/gguf (default ~/.cache/computron/gguf); "
+                   "or Hugging Face hub ids org/name[@REVISION][:FILE.gguf] that name no local path, from "
+                   "huggingface_hub's cache (HF_HUB_CACHE), fetched first unless HF_HUB_OFFLINE=1")
     s.add_argument("--config", help="YAML config file (models, engine, server); flags given override it")
     s.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     s.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")

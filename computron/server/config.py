@@ -4,7 +4,8 @@ A config file::
 
     models:
       - id: opt-a                # the `model` field of requests
-        path: ckpt/opt-a         # a local checkpoint directory with its tokenizer, or a .gguf file
+        path: ckpt/opt-a         # a local checkpoint directory with its tokenizer, or a .gguf file, or a
+                                 # hub id: org/name, org/name@REVISION, org/name:FILE.gguf (docs/models.md)
         dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
         max_batch_size: 8        # optional: sequences batched together for this model
         queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)

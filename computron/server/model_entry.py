@@ -1,6 +1,7 @@
 """The ``models`` entries of ``computron serve``'s config (``config.py``), checked one by one: a checkpoint
 (``path``: a causal LM, an encoder or a ViT model, whose kind is read from its ``config.json``; or a ``.gguf``
-file, converted here into a cached checkpoint directory) or a LoRA
+file, converted here into a cached checkpoint directory; or a Hugging Face hub id, ``org/name[@rev][:FILE.gguf]``,
+resolved here through huggingface_hub's cache into one of those, ``hub.py``) or a LoRA
 adapter (``base`` and ``adapter``) served on a causal LM of the same list. The registry checks the
 entries given while serving (the repository API, ``/v1/load_lora_adapter``) with the same functions.
 
@@ -14,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Container, Dict, List, Optional
 
-from ..errors import GGUFError
+from ..errors import GGUFError, HubError
 from ..loading import DTYPES, has_tokenizer
 from .model_kind import ModelKind
 
@@ -34,9 +35,10 @@ class ModelEntry:
     id: str
     """Name requests use in their `model` field."""
     path: Optional[str] = None
-    """Local checkpoint directory (config.json, weights, tokenizer files); None for an adapter. A ``.gguf``
-    file is converted by validation (once, cached: ``storage/gguf.py``), which sets ``path`` to the converted
-    directory and ``gguf`` to the file."""
+    """Local checkpoint directory (config.json, weights, tokenizer files); None for an adapter. A hub id
+    (``org/name``, ``org/name@rev``, ``org/name:FILE.gguf``) is resolved by validation into the cached
+    snapshot or file (``hub.py``), which sets ``hub`` to the id. A ``.gguf`` file is converted by validation
+    (once, cached: ``storage/gguf.py``), which sets ``path`` to the converted directory and ``gguf`` to the file."""
     dtype: Optional[str] = None
     """float32, float16 or bfloat16; None keeps the checkpoint's dtype."""
     max_batch_size: Optional[int] = None
@@ -66,6 +68,9 @@ class ModelEntry:
     gguf: Optional[str] = None
     """Set by validation: the ``.gguf`` file ``path`` named, when it named one (``path`` is then its
     converted checkpoint directory)."""
+    hub: Optional[str] = None
+    """Set by validation: the Hugging Face hub id ``path`` named, when it named one (``path`` is then the local
+    snapshot directory or GGUF file it resolved to)."""
 
 
 def _check_type(name: str, value: Any, kind, allow_none: bool = False):
@@ -155,7 +160,7 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     ``adapter`` is a LoRA adapter (``_parse_adapter``). Reads ``config.json``: not on an event loop."""
     if not isinstance(m, dict):
         raise ConfigError(f"{where}: must be a mapping with id and path (or id, base and adapter), got {m!r}")
-    known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind", "gguf"}
+    known = {f.name for f in dataclasses.fields(ModelEntry)} - {"kind", "gguf", "hub"}
     unknown = sorted(set(m) - known)
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown field (known: {sorted(known)})")
@@ -166,6 +171,7 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
             raise ConfigError(f"{where}.{req}: missing")
     entry = ModelEntry(**m)
     _check_id(entry.id, where, taken)
+    entry.path = _from_hub(where, entry)
     entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
     if entry.dtype is not None and entry.dtype not in DTYPES:
         raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
@@ -187,6 +193,20 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     if entry.strict_fields is not None and not isinstance(entry.strict_fields, bool):
         raise ConfigError(f"{where}.strict_fields={entry.strict_fields!r}: must be true or false")
     return entry
+
+
+def _from_hub(where: str, entry: ModelEntry) -> Any:
+    """The local path of the entry's ``path`` when it is a hub id (``hub.resolve``; ``entry.hub`` set), else
+    ``path`` as it is."""
+    from .. import hub
+    if not hub.is_hub_id(entry.path):
+        return entry.path
+    try:
+        local = hub.resolve(entry.path)
+    except HubError as exc:
+        raise ConfigError(f"{where}.path: {exc}") from None
+    entry.hub = entry.path
+    return local
 
 
 def _converted(where: str, entry: ModelEntry) -> str:
@@ -267,12 +287,15 @@ def parse_models(raw: Any, allow_empty: bool = False) -> List[ModelEntry]:
 
 
 def model_entries_from_paths(paths: List[str], tasks: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    """``ckpt/a`` serves as model ``a`` (``ckpt/b.gguf`` as ``b``); ``name=ckpt/a`` names it. ``tasks``
-    (``--task ID=TASK``) sets an encoder's task."""
+    """``ckpt/a`` serves as model ``a`` (``ckpt/b.gguf`` as ``b``, the hub id ``org/c@rev`` as ``c``,
+    ``org/d:e.gguf`` as ``e``); ``name=ckpt/a`` names it. ``tasks`` (``--task ID=TASK``) sets an encoder's task."""
+    from .. import hub
     out = []
     for p in paths:
         mid, sep, path = p.partition("=")
-        if not sep:
+        if not sep and hub.is_hub_id(p):
+            mid, path = hub.parse(p).model_id, p
+        elif not sep:
             mid, path = os.path.basename(os.path.normpath(p)), p
             mid = mid[:-len(".gguf")] if mid.lower().endswith(".gguf") and len(mid) > len(".gguf") else mid
         out.append({"id": mid, "path": path})

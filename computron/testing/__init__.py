@@ -7,6 +7,7 @@
 - ``tokenizer_zoo``: the one tokenizer trainer (byte-level BPE for the causal LMs and RoBERTa, WordPiece
   for BERT) on text that ships with this package, and checkpoints saved with a tokenizer;
 - ``zoo_lora``: PEFT LoRA adapters with seeded random A and B (both non-zero) for the causal-LM checkpoints.
+- ``hub_cache``: a Hugging Face hub cache in huggingface_hub's layout, written from local files (hub ids offline).
 
 Nothing here is production code: the loaders that read such checkpoints (``computron serve``'s) live in
 :mod:`computron.loading`. ``computron.zoo``, ``computron.zoo_understanding`` and
