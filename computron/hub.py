@@ -22,11 +22,12 @@ worker starts, whose configs name the resolved local path. huggingface_hub is im
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from .errors import HubError
 
@@ -141,16 +142,33 @@ def fetch(ref: HubRef) -> str:
     else:
         log.info("%s: fetching what the Hugging Face cache %s lacks from the hub", ref, cache)
     try:
-        if ref.filename is not None:
-            path = _download_file(ref, cache, local_only)
-        else:
-            path = _download_snapshot(ref, cache, local_only)
+        with _progress_bars(not local_only):
+            if ref.filename is not None:
+                path = _download_file(ref, cache, local_only)
+            else:
+                path = _download_snapshot(ref, cache, local_only)
     except Exception as exc:  # noqa: BLE001 - each of huggingface_hub's errors becomes one line naming the id
         raise HubError(_explain(ref, cache, local_only, exc)) from None
     if ref.filename is None:
         _check_snapshot(ref, path)
     log.info("%s: %s", ref, path)
     return path
+
+
+@contextlib.contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """huggingface_hub's progress bars on for a download (transformers turns them off whenever it loads a
+    model in this process), unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise; as they were after it."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    if not shown or (os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") or "").upper() in _TRUE \
+            or not are_progress_bars_disabled():
+        yield
+        return
+    enable_progress_bars()
+    try:
+        yield
+    finally:
+        disable_progress_bars()
 
 
 def _download_file(ref: HubRef, cache: str, local_only: bool) -> str:

@@ -218,3 +218,27 @@ def test_server_entries_yaml_and_command_line(cache, capsys, tmp_path, monkeypat
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"computron serve: error: models[0].path: demo-org/missing: no such local path, and "
                           f"demo-org/missing is not in the Hugging Face cache {root} (HF_HUB_OFFLINE is set"), err
+
+
+def test_downloads_show_huggingface_hubs_progress_bars(cache, monkeypatch):
+    """Online, a fetch runs with huggingface_hub's progress bars on even after transformers turned them off in
+    this process, and leaves them as they were; HF_HUB_DISABLE_PROGRESS_BARS=1 and offline reads keep them off."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    _, snaps = cache
+    seen = []
+
+    def download(ref, cache_dir, local_only):
+        seen.append((local_only, are_progress_bars_disabled()))
+        return snaps["main"]
+    monkeypatch.setattr(hub, "_download_snapshot", download)
+    before = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        hub.resolve(REPO)  # offline (the fixture's HF_HUB_OFFLINE=1): nothing to show
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        assert hub.resolve(REPO) == snaps["main"] and are_progress_bars_disabled()
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        hub.resolve(REPO)
+    finally:
+        (disable_progress_bars if before else enable_progress_bars)()
+    assert seen == [(True, True), (False, False), (False, True)]
