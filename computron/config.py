@@ -311,7 +311,8 @@ class ModelConfig:
 
     A ``.gguf`` file may stand for the directory (here or as the loader's ``path``): the master converts it
     before any worker starts, once (cached, ``storage/gguf.py``), and this field then names the converted
-    directory."""
+    directory. So may a Hugging Face hub id (``org/name``, ``org/name@rev``, ``org/name:FILE.gguf``) that names
+    no local path: the preflight resolves it through huggingface_hub's cache (``hub.py``) into the local path."""
     base: Optional[str] = None
     """With ``adapter``: the id of the served causal LM whose weights the adapter runs on."""
     adapter: Optional[str] = None
@@ -352,7 +353,8 @@ class ModelConfig:
         if self.checkpoint is not None:
             import os
             if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):
-                _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str), a .gguf file or None")
+                _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str), a .gguf file, a hub id "
+                      "or None")
             self.checkpoint = os.fspath(self.checkpoint)
 
 

@@ -242,3 +242,27 @@ def test_downloads_show_huggingface_hubs_progress_bars(cache, monkeypatch):
     finally:
         (disable_progress_bars if before else enable_progress_bars)()
     assert seen == [(True, True), (False, False), (False, True)]
+
+
+def test_online_a_snapshot_fetches_safetensors_and_falls_back_to_bin_weights(cache, monkeypatch, tmp_path):
+    """What is asked of huggingface_hub online: no pickled .bin weights, ONNX, GGUF, ... beside safetensors;
+    the .bin weights in a second call only when the snapshot has no safetensors file."""
+    import huggingface_hub
+    root, snaps = cache
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    bin_only = tmp_path / "bin-only"
+    bin_only.mkdir()
+    (bin_only / "config.json").write_text("{}")
+    calls = []
+
+    def snapshot_download(repo_id, revision, cache_dir, local_files_only, ignore_patterns):
+        calls.append((repo_id, revision, cache_dir, local_files_only, ignore_patterns))
+        return snaps["main"] if repo_id == REPO else str(bin_only)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert hub.resolve(f"{REPO}@v1") == snaps["main"]
+    without_bin = list(hub.NOT_FETCHED + hub.PICKLED_WEIGHTS)
+    assert calls == [(REPO, "v1", root, False, without_bin)] and "*.bin" in without_bin and "*.gguf" in without_bin
+    calls.clear()
+    assert hub.resolve("demo-org/old") == str(bin_only)
+    assert calls == [("demo-org/old", None, root, False, without_bin),
+                     ("demo-org/old", None, root, False, list(hub.NOT_FETCHED))]
