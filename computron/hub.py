@@ -34,7 +34,7 @@ from .errors import HubError
 log = logging.getLogger("computron.hub")
 
 _ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w.-]+(?:/[\w.-]+)*?))?"
-                 r"(?::(?P<filename>[^:@]+\.gguf))?", re.IGNORECASE)
+                 r"(?::(?P<filename>[^:@]+\.gguf))?", re.IGNORECASE | re.ASCII)
 """``ORG/NAME``, then ``@REVISION`` (a branch, tag or commit; ``refs/pr/1`` too), then ``:FILE.gguf``."""
 
 NOT_FETCHED = ("*.gguf", "*.onnx", "*.onnx_data", "onnx/*", "*.msgpack", "*.h5", "*.ot", "*.tflite", "*.pth",
