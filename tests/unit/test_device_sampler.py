@@ -129,6 +129,38 @@ def test_ending_ids_masked_until_min_tokens_then_they_end():
     assert [f.ends[0] for f in firsts] == [False, False, True]
 
 
+class OnlyAllows:
+    """A grammar matcher's stand-in: allows ``ids`` next (of a tokenizer of ``vocab`` ids), ends at EOS."""
+
+    def __init__(self, ids, vocab):
+        self.ids, self.vocab, self.terminated = ids, vocab, False
+
+    def fill(self, bitmask, row):
+        bitmask[row] = 0
+        for t in self.ids:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+    def accept(self, token):
+        self.terminated = token == EOS
+
+
+def test_grammar_rows_take_their_bitmask_and_win_over_min_tokens():
+    pytest.importorskip("xgrammar")
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(6))
+    logits[:, 60] = 50.0  # past the grammar's tokenizer: masked for its rows
+    specs = [_spec(0, [1]), _spec(1, [1], min_tokens=3), _spec(2, [1], min_tokens=3),
+             _spec(3, [1], temperature=1.0, seed=3, logit_bias=((0, 0.0),))]  # controls, as a grammar has
+    samplers = {s.sid: SeqSampler(s, seq_generator(s)) for s in specs}
+    allowed = {1: [5, EOS], 2: [EOS], 3: [7, 9, 33]}
+    for sid, ids in allowed.items():
+        samplers[sid].matcher = OnlyAllows(ids, vocab=48)
+    got = pick(logits, specs, samplers, {s.sid: samplers[s.sid].generator for s in specs})
+    assert got.ids[0] == 60, "a row without grammar keeps its logits"
+    assert got.ids[1] == 5, "min_tokens masks EOS: the grammar's other token"
+    assert got.ids[2] == EOS and got.ends[2], "the grammar can only end: it wins over min_tokens"
+    assert got.ids[3] in allowed[3]
+
+
 # ---- host traffic of a decode step ---------------------------------------------------------------------------
 
 
