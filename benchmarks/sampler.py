@@ -101,7 +101,7 @@ def main(argv=None) -> int:
             got = run(way, args.steps, logits, dev)
             if r:
                 results[way].append(got)
-    out = {"bench": "sampler", "batch": args.batch, "vocab": args.vocab, "steps": args.steps, "device": args.device,
+    out = {"bench": "sampler", "batch": args.batch, "vocab": args.vocab, "steps": args.steps, "on": args.device,
            "threads": args.threads}
     for way, got in results.items():
         out[way] = {"ms_per_step": round(sorted(g["ms_per_step"] for g in got)[len(got) // 2], 3),

@@ -29,29 +29,47 @@ def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) ->
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def _rows(x: torch.Tensor, needs: Sequence[bool], cut) -> torch.Tensor:
+    """``x`` with ``cut`` applied to the rows that ``needs`` (only those are computed)."""
+    at = [i for i, n in enumerate(needs) if n]
+    if len(at) == len(needs):
+        return cut(x, list(range(len(needs))))
+    index = device_tensor(at, torch.int64, x.device)
+    return x.index_copy(0, index, cut(x.index_select(0, index), at))
+
+
 def warp(x: torch.Tensor, temperature: Sequence[float], min_p: Sequence[float] = (), top_k: Sequence[int] = (),
          top_p: Sequence[float] = ()) -> torch.Tensor:
     """The probabilities [R, V] each row of logits ``x`` [R, V] is drawn from: divided by its ``temperature``
     (> 0), cut to the tokens at least ``min_p`` times as likely as the likeliest, to its ``top_k`` and to its
-    ``top_p`` nucleus, in that order (per row; an empty sequence, 0, 0 and 1.0 do not cut)."""
+    ``top_p`` nucleus, in that order (per row; an empty sequence, 0, 0 and 1.0 do not cut). Each cut computes
+    only the rows that ask for it."""
     dev = x.device
     x = x / device_tensor(list(temperature), x.dtype, dev)[:, None]
-    if any(min_p):
-        probs = x.softmax(-1)
-        floor = device_tensor(list(min_p), x.dtype, dev)[:, None] * probs.amax(-1, keepdim=True)
-        x = x.masked_fill(probs < floor, NEG_INF)
-    if any(top_k):
-        ks = [min(int(k), x.shape[-1]) for k in top_k]
-        kth = torch.topk(x, max(ks), dim=-1).values
-        at = device_tensor([max(k, 1) - 1 for k in ks], torch.int64, dev)[:, None]
-        kth = kth.gather(1, at).masked_fill(device_tensor([k == 0 for k in ks], torch.bool, dev)[:, None], NEG_INF)
-        x = x.masked_fill(x < kth, NEG_INF)
-    if any(p < 1.0 for p in top_p):
-        sorted_x, order = torch.sort(x, descending=True, dim=-1)
+
+    def cut_min_p(rows: torch.Tensor, at: List[int]) -> torch.Tensor:
+        probs = rows.softmax(-1)
+        floor = device_tensor([float(min_p[i]) for i in at], x.dtype, dev)[:, None] * probs.amax(-1, keepdim=True)
+        return rows.masked_fill(probs < floor, NEG_INF)
+
+    def cut_top_k(rows: torch.Tensor, at: List[int]) -> torch.Tensor:
+        ks = [min(int(top_k[i]), rows.shape[-1]) for i in at]
+        kth = torch.topk(rows, max(ks), dim=-1).values.gather(1, device_tensor([k - 1 for k in ks], torch.int64,
+                                                                               dev)[:, None])
+        return rows.masked_fill(rows < kth, NEG_INF)
+
+    def cut_top_p(rows: torch.Tensor, at: List[int]) -> torch.Tensor:
+        sorted_x, order = torch.sort(rows, descending=True, dim=-1)
         probs = sorted_x.softmax(-1)
-        cut = device_tensor([float(p) for p in top_p], x.dtype, dev)[:, None]
-        drop = (probs.cumsum(-1) - probs > cut) & device_tensor([p < 1.0 for p in top_p], torch.bool, dev)[:, None]
-        x = torch.full_like(x, NEG_INF).scatter(-1, order, sorted_x.masked_fill(drop, NEG_INF))
+        drop = probs.cumsum(-1) - probs > device_tensor([float(top_p[i]) for i in at], x.dtype, dev)[:, None]
+        return torch.full_like(rows, NEG_INF).scatter(-1, order, sorted_x.masked_fill(drop, NEG_INF))
+
+    if any(min_p):
+        x = _rows(x, [bool(p) for p in min_p], cut_min_p)
+    if any(top_k):
+        x = _rows(x, [bool(k) for k in top_k], cut_top_k)
+    if any(p < 1.0 for p in top_p):
+        x = _rows(x, [p < 1.0 for p in top_p], cut_top_p)
     return x.softmax(-1)
 
 
