@@ -10,7 +10,9 @@ temperature, top-k, top-p, min-p, penalties, logit bias, logprobs) go through ``
 
 Host bytes are counted where Python code brings tensor values to the host (``.cpu()``, ``.tolist()``,
 ``.item()``, ``.numpy()``); on a CPU both run on the same memory, so the bytes are what a GPU would copy.
-Prints ONE JSON line: per path ``ms_per_step`` and ``host_bytes_per_step``, and ``device_over_host`` of each.
+Prints ONE JSON line: per path ``ms_per_step`` (median of the counted rounds) and ``host_bytes_per_step``, and
+``device_over_host`` of each; on CUDA also the device path's ``syncs_per_step`` (operations that waited for the
+device, ``torch.cuda.set_sync_debug_mode``: the one copy of the ids is expected).
 
     .venv/bin/python benchmarks/sampler.py                      # B=8, V=49152, CPU, seconds
     .venv/bin/python benchmarks/sampler.py --device cuda --batch 64
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 
 import torch
 
@@ -68,7 +71,11 @@ def run(way: str, steps: int, logits, device: torch.device):
     specs, samplers, gens = specs_and_state(logits[0].shape[0], host if way == "host" else device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    with HostCopies() as copies:
+    watch_syncs = way == "device" and device.type == "cuda"
+    with HostCopies() as copies, warnings.catch_warnings(record=True) as syncs:
+        if watch_syncs:  # CUDA: every operation that waits for the device warns once per call
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
         for x in logits[:steps]:
             if way == "host":
@@ -77,9 +84,14 @@ def run(way: str, steps: int, logits, device: torch.device):
                     pick(y[i:i + 1], [s], samplers, gens)
             else:
                 pick(x, specs, samplers, gens)
+        if watch_syncs:
+            torch.cuda.set_sync_debug_mode("default")
         sync()
         elapsed = time.perf_counter() - t0
-    return {"ms_per_step": round(1e3 * elapsed / steps, 3), "host_bytes_per_step": copies.bytes // steps}
+    out = {"ms_per_step": round(1e3 * elapsed / steps, 3), "host_bytes_per_step": copies.bytes // steps}
+    if watch_syncs:
+        out["syncs_per_step"] = len(syncs) / steps
+    return out
 
 
 def main(argv=None) -> int:
@@ -104,9 +116,9 @@ def main(argv=None) -> int:
     out = {"bench": "sampler", "batch": args.batch, "vocab": args.vocab, "steps": args.steps, "on": args.device,
            "threads": args.threads}
     for way, got in results.items():
-        out[way] = {"ms_per_step": round(sorted(g["ms_per_step"] for g in got)[len(got) // 2], 3),
-                    "host_bytes_per_step": got[-1]["host_bytes_per_step"]}
-    out["device_over_host"] = {k: round(out["device"][k] / out["host"][k], 4) for k in out["host"]}
+        out[way] = {**got[-1], "ms_per_step": round(sorted(g["ms_per_step"] for g in got)[len(got) // 2], 3)}
+    out["device_over_host"] = {k: round(out["device"][k] / out["host"][k], 4)
+                               for k in ("ms_per_step", "host_bytes_per_step")}
     print(json.dumps(out), flush=True)
     return 0
 

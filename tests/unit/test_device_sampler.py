@@ -222,3 +222,15 @@ def test_a_decode_step_copies_only_ids_and_asked_logprobs_to_the_host(one_group,
     assert biggest <= rows + 1 + 2 * k, copies
     assert per_step <= rows + 1 + 2 * k + 4, copies  # ids, one row's logprobs, a few flags
     assert biggest < vocab
+
+
+def test_the_sampler_benchmark_counts_ids_not_logits(capsys):
+    """``benchmarks/sampler.py``'s small path: the device path copies the ids and one row's logprobs, the host
+    path the whole logits."""
+    import json
+
+    from benchmarks import sampler
+    assert sampler.main(["--batch", "8", "--vocab", "512", "--steps", "2", "--rounds", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["device"]["host_bytes_per_step"] == 8 * (8 + 1 + 2 * 5)  # float64: ids, then logprob and top 5
+    assert out["host"]["host_bytes_per_step"] >= 8 * 512 * 4
