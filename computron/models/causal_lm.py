@@ -196,12 +196,12 @@ class CausalLMRunner(GenerativeRunner):
                 if not out:
                     weights_ready()
                     if ctx.is_output_rank and batch.get("temperature"):  # inside: a bad seed fails every rank
-                        gen = torch.Generator(device="cpu").manual_seed(int(batch.get("seed", 0)))
+                        gen = torch.Generator(device=dev).manual_seed(int(batch.get("seed", 0)))
                 y = self._stage_forward(x, mask, self._positions(mask, cur.shape[1]), cache)
                 if not ctx.is_last:
                     p2p.send_tensor(y, g.next_rank(), g.data, dev)
                 elif ctx.is_output_rank:
-                    tokens.copy_(self._pick(y.cpu(), batch, gen).to(dev))
+                    tokens.copy_(self._pick(y, batch, gen))
             except Exception as exc:  # noqa: BLE001 - every rank must leave this step together
                 ok, err = False, exc
                 if not ctx.is_last:
@@ -360,20 +360,21 @@ class CausalLMRunner(GenerativeRunner):
             logits.append(y)
         y = None if failed or logits[-1] is None else torch.cat(logits)
         index = list(range(n_run)) + [n_run + r for r in share]  # every row's logits and KV row
-        generators, samplers, lps, plps = {}, {}, (), {}
+        generators, samplers, lps, plps, host = {}, {}, (), {}, None
         if ctx.is_output_rank and not failed:
-            try:
-                y = y.cpu()[index]
-                generators = {a.sid: seq_generator(a) for a in admit}
+            try:  # on the device: only the picked ids and asked-for logprobs come to the host (``sampling``)
+                y = y if index == list(range(len(y))) else y.index_select(0, torch.tensor(index, device=y.device))
+                generators = {a.sid: seq_generator(a, y.device) for a in admit}
                 gens = {**rb.generators, **generators}
                 samplers = {a.sid: SeqSampler(a, gens.get(a.sid)) for a in admit}
                 specs = [rb.specs[s] for s in rb.sids] + admit
-                toks, ends, lps = pick(y, specs, {**rb.samplers, **samplers}, gens)
-                picked[0].copy_(toks.to(dev))
-                picked[1].copy_(torch.tensor(ends, dtype=torch.int64))
+                got = pick(y, specs, {**rb.samplers, **samplers}, gens)
+                lps, host = got.logprobs, [got.ids, [int(e) for e in got.ends]]
+                picked[0].copy_(got.tokens)
+                picked[1].copy_(torch.tensor(host[1], dtype=torch.int64))
                 offset = 0 if apart else n_run
-                plps = {a.sid: prompt_logprobs(scored_logits(score.get(offset + share[i]), y.shape[-1]), a.prompt,
-                                               a.prompt_logprobs)
+                plps = {a.sid: prompt_logprobs(scored_logits(score.get(offset + share[i]), y.shape[-1], y.device),
+                                               a.prompt, a.prompt_logprobs)
                         for i, a in enumerate(admit) if share[i] in scored and a.prompt_logprobs is not None}
             except Exception as exc:  # noqa: BLE001
                 failed, err = True, exc
@@ -390,9 +391,9 @@ class CausalLMRunner(GenerativeRunner):
             mask = rb.merge_prefilled(mask, new_mask, new_cache)
         tokens = picked[0].clone()
         rb.joined(admit, generators, mask, tokens, samplers)
-        toks = tokens.tolist()
+        toks, ends = host if host is not None else picked.tolist()  # the output rank has them already
         sids = list(rb.sids)
-        ended = rb.ended([bool(e) for e in picked[1].tolist()])
+        ended = rb.ended([bool(e) for e in ends])
         rb.drop(ended)
         return StepResult(sids=tuple(sids), tokens=tuple(toks), ended=tuple(ended), running=len(rb),
                           kv_restored_bytes=restored, kv_restore_s=t_restore, logprobs=lps, prompt_logprobs=plps,

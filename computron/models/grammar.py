@@ -2,9 +2,10 @@
 
 ``matcher_for(blob)`` deserializes the compiled grammar (cached by the blob's key; its tokenizer info made
 from the model's tokenizer directory once, ``batching.grammar.tokenizer_info``) into a fresh ``Matcher``:
-``mask`` sets the logits of the tokens the grammar does not allow next to -inf (ids past the tokenizer's
-vocabulary too), ``accept`` advances it by the chosen token, and ``terminated`` says the grammar is
-complete (its stop token accepted). xgrammar is imported only when a sequence has a grammar.
+``fill`` writes the tokens the grammar allows next into a row of a host bitmask, which ``apply_bitmask``
+applies to a batch of logits on their device (``sampling_controls``); ``accept`` advances it by the chosen
+token, and ``terminated`` says the grammar is complete (its stop token accepted). xgrammar is imported only
+when a sequence has a grammar.
 """
 from __future__ import annotations
 
@@ -45,20 +46,12 @@ def _compiled(blob):
 
 class Matcher:
     def __init__(self, compiled):
-        xgr = _xgr()
-        self._xgr = xgr
         self.vocab = compiled.tokenizer_info.vocab_size
-        self._m = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab)
+        self._m = _xgr().GrammarMatcher(compiled)
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Set (in place, a row [V] on the CPU) the logits of the tokens not allowed next to -inf."""
-        self._m.fill_next_token_bitmask(self._bitmask)
-        n = min(self.vocab, logits.shape[-1])
-        row = logits[:n].unsqueeze(0)
-        self._xgr.apply_token_bitmask_inplace(row, self._bitmask, vocab_size=n)
-        if logits.shape[-1] > n:
-            logits[n:] = float("-inf")
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write row ``row`` of a host bitmask (``host_bitmask``): the tokens the grammar allows next."""
+        self._m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> None:
         if not self._m.is_terminated() and not self._m.accept_token(int(token)):
@@ -69,9 +62,20 @@ class Matcher:
         return self._m.is_terminated()
 
 
+def host_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """A bitmask [rows, ceil(vocab / 32)] in host memory allowing every token (rows no matcher fills)."""
+    return _xgr().allocate_token_bitmask(rows, vocab)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab: int) -> None:
+    """Set (in place, ``logits`` [B, V] on any device, ``bitmask`` on the same one) the logits of the first
+    ``vocab`` ids that the bitmask does not allow to -inf (xgrammar's kernel: CPU, or Triton on CUDA)."""
+    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+
+
 def matcher_for(blob) -> Matcher:
     """A fresh matcher of a ``comm.messages.GrammarBlob``."""
     return Matcher(_compiled(blob))
 
 
-__all__ = ["Matcher", "matcher_for"]
+__all__ = ["Matcher", "matcher_for", "host_bitmask", "apply_bitmask"]

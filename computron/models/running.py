@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .sampling import SeqSampler, sample, sample_rows  # noqa: F401 - the sampling module's, kept importable here
+from .sampling_controls import SeqSampler
 
 
 def _left_padded(prompts: List[List[int]], width: int, pad_id: int, device: torch.device):

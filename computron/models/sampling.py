@@ -1,61 +1,38 @@
-"""The one sampling implementation: the next token of each sequence, on the rank that samples.
+"""The one sampling implementation: the next token of each sequence, on the rank that samples, on the device that
+holds the logits.
 
-``sample_rows`` draws one token per row with shared temperature/top-k/top-p/min-p parameters (the
-request-level path, and the rows without controls). ``SeqSampler`` is one sequence's state under
-token-level generation (its generator, the counts its penalties need, its grammar matcher), and
-``pick`` the step's choice for every row: the controls of ``batching.controls`` applied in this order
-to the model's final logits (vLLM's order): ``logit_bias``; ``min_tokens`` (ending ids masked);
-``repetition_penalty`` (prompt and generated tokens), ``frequency_penalty`` and ``presence_penalty``
-(generated tokens); the grammar's mask; then temperature, ``min_p``, ``top_k``, ``top_p`` and the draw
-(greedy at temperature 0). Logprobs are those of the raw logits, before any of it.
+``pick`` chooses the step's token of every row in a few batched operations on the logits' device: the rows'
+controls (``sampling_controls``: logit bias, ``min_tokens``, penalties, grammar bitmasks), then the argmax
+(greedy at temperature 0 or ``top_k`` 1) or the draw (``sampling_draw``: temperature, ``min_p``, ``top_k``,
+``top_p``, each seeded row with its own generator on the device). Logprobs are those of the raw logits, before
+any of it, computed on the device for the rows that ask. Only the token ids and those logprobs cross to the
+host, in one copy per step; ``SeqSampler.accept`` then decides which rows end.
 
-A resumed sequence's spec carries prompt + generated tokens and how many were generated
-(``SeqSpec.generated``): its sampler counts those as generated and its matcher accepts them again.
+``sample_rows`` is the request-level path (one set of parameters and one generator for a whole batch).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-NEG_INF = float("-inf")
+from .sampling_controls import SeqSampler, apply_controls
+from .sampling_draw import device_tensor, draw, sample_rows, warp
 
 
-def sample_rows(logits: torch.Tensor, temperature: Optional[float], top_k: Optional[int] = 0,
-                top_p: Optional[float] = 1.0, generator: Optional[torch.Generator] = None,
-                min_p: float = 0.0) -> torch.Tensor:
-    """One token per row of ``logits`` [N, V], every row with the same sampling parameters, drawn
-    with one generator in one call: greedy where ``temperature`` is 0 or ``top_k`` is 1, else sampled
-    from the temperature-scaled distribution cut to tokens at least ``min_p`` times as likely as the
-    likeliest, to the ``top_k`` tokens and to the ``top_p`` nucleus. ``top_k`` 0 or None, ``top_p``
-    1.0 or None and ``min_p`` 0 do not cut."""
-    if not temperature or top_k == 1:
-        return logits.argmax(-1)
-    logits = logits / float(temperature)
-    if min_p:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < float(min_p) * probs.max(-1, keepdim=True).values, NEG_INF)
-    if top_k:
-        kth = torch.topk(logits, min(int(top_k), logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > float(top_p)
-        sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
-        logits = torch.full_like(logits, NEG_INF).scatter(-1, idx, sorted_logits)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+class Picked(NamedTuple):
+    tokens: torch.Tensor
+    """[B] int64 on the logits' device."""
+    ids: List[int]
+    """The same tokens on the host."""
+    ends: List[bool]
+    """Whether each token ends its sequence (EOS unless ignored, a stop id, a complete grammar: not max_tokens)."""
+    logprobs: Tuple[object, ...]
+    """``()`` when no row asked, else None or ``(logprob, top)`` per row."""
 
 
-def sample(logits: torch.Tensor, specs: List[object], generators: Dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row: row ``i`` with ``specs[i]``'s parameters and, where it samples, that
-    sequence's own generator, so a seeded sequence gets the same tokens in any batch."""
-    out = logits.argmax(-1)
-    for i, spec in enumerate(specs):
-        if spec.temperature and spec.top_k != 1:
-            out[i] = sample_rows(logits[i:i + 1], spec.temperature, spec.top_k, spec.top_p,
-                                 generators[spec.sid], getattr(spec, "min_p", 0.0))[0]
-    return out
+def _top(values: Sequence[float], ids: Sequence[float], k: int) -> Tuple[Tuple[int, float], ...]:
+    return tuple((int(t), float(v)) for t, v in zip(ids[:k], values[:k]))
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> Tuple[Tuple[int, float], ...]:
@@ -72,96 +49,36 @@ def token_logprob(logits: torch.Tensor, token: int, k: int) -> Tuple[float, Tupl
     return float(lp[token]), top_logprobs(lp, k)
 
 
+def _scores(lp: torch.Tensor, tokens: torch.Tensor, k: int) -> List[torch.Tensor]:
+    """Each row's logprob of its token, then its ``k`` best logprobs and their ids, as float64 (ids exact)."""
+    parts = [lp.gather(1, tokens[:, None]).double()]
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        parts += [vals.double(), ids.double()]
+    return [torch.cat(parts, 1).flatten()]
+
+
 def prompt_logprobs(logits: torch.Tensor, prompt, k: int) -> Tuple[object, ...]:
-    """One entry per prompt token from the prefill's logits [len(prompt) - 1, V] (row j predicts token
-    j + 1): None for the first, ``(token, logprob, top k)`` for the others."""
-    lp = torch.log_softmax(logits.float(), -1)
+    """One entry per prompt token from the prefill's logits [len(prompt) - 1, V] (row j predicts token j + 1,
+    on any device): None for the first, ``(token, logprob, top k)`` for the others. One copy to the host."""
     out: List[object] = [None]
+    n = len(prompt) - 1
+    if n < 1 or not logits.shape[0]:
+        return tuple(out)
+    lp = torch.log_softmax(logits.float(), -1)
+    k = min(k, lp.shape[-1])
+    flat = _scores(lp, device_tensor([int(t) for t in prompt[1:]], torch.int64, lp.device), k)[0].tolist()
+    width = 1 + 2 * k
     for j, tok in enumerate(prompt[1:]):
-        out.append((int(tok), float(lp[j, tok]), top_logprobs(lp[j], k)))
+        row = flat[j * width:(j + 1) * width]
+        out.append((int(tok), row[0], _top(row[1:1 + k], row[1 + k:], k)))
     return tuple(out)
 
 
-class SeqSampler:
-    """One sequence's sampling state on the sampling rank."""
-
-    def __init__(self, spec, generator: Optional[torch.Generator]):
-        self.spec = spec
-        self.generator = generator
-        n_prompt = len(spec.prompt) - spec.generated
-        self.generated: List[int] = list(spec.prompt[n_prompt:])
-        self._n_prompt = n_prompt
-        self._seen: Optional[set] = None  # prompt and generated ids (repetition_penalty), made on first use
-        self.stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(spec.eos))
-        self.matcher = None
-        if spec.grammar is not None:
-            from .grammar import matcher_for
-            self.matcher = matcher_for(spec.grammar)
-            for t in self.generated:
-                self.matcher.accept(t)
-        self._counts: Optional[torch.Tensor] = None
-
-    def _count_tensor(self, vocab: int) -> torch.Tensor:
-        if self._counts is None or self._counts.shape[0] != vocab:
-            self._counts = torch.zeros(vocab)
-            for t in self.generated:
-                if t < vocab:
-                    self._counts[t] += 1
-        return self._counts
-
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """The row of raw logits [V] with this sequence's controls applied (a new tensor)."""
-        spec, x, vocab = self.spec, logits.clone(), logits.shape[-1]
-        for tid, bias in spec.logit_bias:
-            if tid < vocab:
-                x[tid] += bias
-        masked_stops = None
-        if spec.min_tokens and len(self.generated) < spec.min_tokens:
-            masked_stops = torch.tensor(sorted(t for t in self.stops if t < vocab), dtype=torch.long)
-            if len(masked_stops):
-                x[masked_stops] = NEG_INF
-        if spec.repetition_penalty != 1.0:
-            if self._seen is None:
-                self._seen = set(spec.prompt[:self._n_prompt]) | set(self.generated)
-            ids = torch.tensor(sorted(self._seen), dtype=torch.long)
-            ids = ids[ids < vocab]
-            v = x[ids]
-            x[ids] = torch.where(v > 0, v / spec.repetition_penalty, v * spec.repetition_penalty)
-        if spec.frequency_penalty or spec.presence_penalty:
-            counts = self._count_tensor(vocab)
-            x -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).float()
-        if self.matcher is not None:
-            before = x.clone() if masked_stops is not None else None
-            self.matcher.mask(x)
-            if before is not None and not torch.isfinite(x).any():  # the grammar can only end: it wins
-                before[masked_stops] = logits[masked_stops]
-                self.matcher.mask(before)
-                x = before
-        return x
-
-    def draw(self, x: torch.Tensor) -> int:
-        spec = self.spec
-        if spec.temperature and spec.top_k != 1:
-            return int(sample_rows(x[None], spec.temperature, spec.top_k, spec.top_p, self.generator, spec.min_p)[0])
-        return int(x.argmax())
-
-    def accept(self, token: int) -> bool:
-        """Record the chosen token; True if it ends the sequence (an ending id, or the grammar is complete)."""
-        self.generated.append(token)
-        if self._seen is not None:
-            self._seen.add(token)
-        if self._counts is not None and token < self._counts.shape[0]:
-            self._counts[token] += 1
-        ends = token in self.stops
-        if self.matcher is not None:
-            self.matcher.accept(token)
-            ends = ends or self.matcher.terminated
-        return ends
-
-
-def seq_generator(spec) -> torch.Generator:
-    """A sequence's own sampling generator: seeded, or restored where its sequence was paused."""
-    gen = torch.Generator(device="cpu")
+def seq_generator(spec, device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """A sequence's own sampling generator on ``device``: seeded, or restored where its sequence was paused
+    (a state of the same device type)."""
+    gen = torch.Generator(device=device)
     if spec.gen_state is not None:
         gen.set_state(torch.frombuffer(bytearray(spec.gen_state), dtype=torch.uint8))
     else:
@@ -169,32 +86,49 @@ def seq_generator(spec) -> torch.Generator:
     return gen
 
 
-def scored_logits(t, vocab: int) -> torch.Tensor:
-    """A scored prompt's logits on the CPU ([0, V] for a prompt of one token, which has none)."""
-    return t.cpu() if isinstance(t, torch.Tensor) else torch.empty(0, vocab)
+def scored_logits(t, vocab: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """A scored prompt's logits, where they are ([0, V] for a prompt of one token, which has none)."""
+    return t if isinstance(t, torch.Tensor) else torch.empty(0, vocab, device=device)
 
 
 def pick(logits: torch.Tensor, specs: List[object], samplers: Dict[int, SeqSampler],
-         generators: Dict[int, torch.Generator]) -> Tuple[torch.Tensor, List[bool], Tuple[object, ...]]:
-    """The step's token for every row of ``logits`` [B, V] (row ``i`` is ``specs[i]``'s sequence), whether
-    it ends the sequence (EOS unless ignored, a stop id, a complete grammar: not max_tokens), and the
-    rows' logprobs (``()`` when no row asked, else None or ``(logprob, top)`` per row)."""
-    tokens = logits.argmax(-1)
-    logprobs: List[object] = []
-    ends: List[bool] = []
-    for i, spec in enumerate(specs):
-        st = samplers[spec.sid]
-        if spec.has_controls:
-            tokens[i] = st.draw(st.process(logits[i]))
-        elif spec.temperature and spec.top_k != 1:
-            tokens[i] = sample_rows(logits[i:i + 1], spec.temperature, spec.top_k, spec.top_p,
-                                    generators[spec.sid])[0]
-        tok = int(tokens[i])
-        ends.append(st.accept(tok))
-        wants = spec.logprobs is not None or spec.prompt_logprobs is not None
-        logprobs.append(token_logprob(logits[i], tok, spec.logprobs or 0) if wants else None)
-    return tokens, ends, (tuple(logprobs) if any(x is not None for x in logprobs) else ())
+         generators: Dict[int, Optional[torch.Generator]]) -> Picked:
+    """The step's token for every row of ``logits`` [B, V] (row ``i`` is ``specs[i]``'s sequence, sampled with
+    ``generators[sid]``, or the device's default generator where there is none), with the rows' logprobs."""
+    rows = len(specs)
+    controlled = [(i, samplers[s.sid]) for i, s in enumerate(specs) if s.has_controls]
+    x = logits
+    if controlled:
+        x = logits.clone()
+        apply_controls(x, logits, controlled)
+    tokens = x.argmax(-1)
+    drawn = [i for i, s in enumerate(specs) if s.temperature and s.top_k != 1]
+    if drawn:
+        at = None if len(drawn) == rows else device_tensor(drawn, torch.int64, x.device)
+        ss = [specs[i] for i in drawn]
+        probs = warp(x if at is None else x.index_select(0, at), [s.temperature for s in ss],
+                     [s.min_p for s in ss], [s.top_k for s in ss], [s.top_p for s in ss])
+        got = draw(probs, [generators.get(s.sid) for s in ss])
+        tokens = got if at is None else tokens.index_copy(0, at, got)
+    wants = [i for i, s in enumerate(specs) if s.logprobs is not None or s.prompt_logprobs is not None]
+    k = max((specs[i].logprobs or 0 for i in wants), default=0)
+    parts = [tokens.double()]
+    if wants:
+        at = None if len(wants) == rows else device_tensor(wants, torch.int64, x.device)
+        raw, chosen = (logits, tokens) if at is None else (logits.index_select(0, at), tokens.index_select(0, at))
+        k = min(k, logits.shape[-1])
+        parts += _scores(torch.log_softmax(raw.float(), -1), chosen, k)
+    host = torch.cat(parts).tolist()  # the step's one copy to the host: ids, then the asked-for logprobs
+    ids = [int(t) for t in host[:rows]]
+    ends = [samplers[s.sid].accept(t) for s, t in zip(specs, ids)]
+    logprobs: List[object] = [None] * rows
+    width = 1 + 2 * k
+    for n, i in enumerate(wants):
+        row = host[rows + n * width:rows + (n + 1) * width]
+        own = min(specs[i].logprobs or 0, k)
+        logprobs[i] = (row[0], _top(row[1:1 + k], row[1 + k:], own))
+    return Picked(tokens, ids, ends, tuple(logprobs) if wants else ())
 
 
-__all__ = ["sample_rows", "sample", "pick", "SeqSampler", "token_logprob", "prompt_logprobs", "top_logprobs",
+__all__ = ["sample_rows", "pick", "Picked", "SeqSampler", "token_logprob", "prompt_logprobs", "top_logprobs",
            "scored_logits", "seq_generator"]

@@ -87,8 +87,8 @@ def test_endings_and_logprobs():
     specs = [_spec(sid=0), _spec(sid=1, ignore_eos=True, logprobs=2), _spec(sid=2, stop_token_ids=(1,),
                                                                            logit_bias=((2, -20.0),))]
     samplers = {s.sid: SeqSampler(s, None) for s in specs}
-    tokens, ends, lps = pick(logits, specs, samplers, {})
-    assert tokens.tolist() == [2, 2, 1] and ends == [True, False, True]
+    tokens, ids, ends, lps = pick(logits, specs, samplers, {})
+    assert tokens.tolist() == ids == [2, 2, 1] and ends == [True, False, True]
     lp = torch.log_softmax(logits[0], -1)
     assert lps[0] is None and lps[2] is None
     assert lps[1][0] == pytest.approx(float(lp[2])) and [t for t, _ in lps[1][1]] == [2, 1]
@@ -126,7 +126,7 @@ def test_prompt_logprobs_alone_give_token_logprobs_without_alternatives():
     from computron.engine.protocol import PromptLogprobs, TokenLogprob
     from computron.engine.sequences import Request
     spec = _spec(prompt_logprobs=1)
-    _, _, lps = pick(torch.tensor([[0.0, 1.0, 9.0]]), [spec], {0: SeqSampler(spec, None)}, {})
+    lps = pick(torch.tensor([[0.0, 1.0, 9.0]]), [spec], {0: SeqSampler(spec, None)}, {}).logprobs
     assert lps[0][1] == ()
 
     async def go():
