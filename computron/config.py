@@ -23,8 +23,12 @@ class EngineConfig:
     """Port of the rendezvous; 0 picks a free port (single-node spawn mode only)."""
     max_loaded: Optional[int] = 1
     """How many models may be resident on the devices at once (>= 1)."""
-    queue_size: int = 0
-    """Per-model bound on waiting requests; 0 means unbounded. Over it: QueueFullError."""
+    queue_size: int = 512
+    """Per-model bound on waiting requests (those admitted and being prepared included); 0 means unbounded.
+    Over it a request is refused at once: QueueFullError, 429 with a ``Retry-After`` of the expected wait.
+    512 is Ollama's ``OLLAMA_MAX_QUEUE``: at one answer a second per model, the last request queued waits
+    under the 600 s that OpenAI's clients wait by default, while a burst bigger than any batch still
+    queues; a client that cannot wait that long is better told to come back (``ttft_refusal_factor``)."""
     max_batch_size: int = 0
     """Batch size of the CausalLMBatchManager a causal LM gets when its ModelConfig names none; 0 means 8."""
     backend: Optional[str] = None
@@ -148,7 +152,11 @@ class EngineConfig:
     quantum_ms: float = 200.0
     """Turn length of the 'quantum' policy, in milliseconds of steps."""
     ttft_slo_s: float = 1.0
-    """Time-to-first-token objective of the 'deadline' policy, in seconds."""
+    """Time-to-first-token objective of the 'deadline' policy, in seconds (and of ``ttft_refusal_factor``)."""
+    ttft_refusal_factor: Optional[float] = None
+    """Refuse a request (429, ``Retry-After``) when its predicted time to first token (the queue ahead at the
+    model's measured seconds per request, a load if it is not resident, its prefill) exceeds this many
+    times ``ttft_slo_s``, decided on the master before any work on it (``sched/admission.py``); None: never."""
     kv_swap: str = "auto"
     """What happens to a paused sequence's KV cache when its model must leave the devices: 'offload'
     (copied to host memory, pinned on CUDA, and back on resume), 'recompute' (dropped; a prefill of
@@ -248,6 +256,9 @@ class EngineConfig:
             _fail(c, "eviction", self.eviction, f"must be one of {EVICTIONS}")
         if self.kv_swap not in ("auto", "offload", "recompute"):
             _fail(c, "kv_swap", self.kv_swap, "must be 'auto', 'offload' or 'recompute'")
+        f = self.ttft_refusal_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf")):
+            _fail(c, "ttft_refusal_factor", f, "must be None or a positive number")
         for name in ("quantum_ms", "ttft_slo_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):

@@ -34,11 +34,13 @@ from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, w
 from ..lora.adapter import check_adapter_config
 from ..sched.scheduler import ActionKind
 from .adapters import Adapters
+from .admission import Admission
 from .batches import RequestLevel
 from .budget import make_scheduler
 from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .host_models import HostModels, HostModelsControl
+from .intake import Intake
 from .liveness import Liveness
 from .preparation import PumpSoon, preparation_pool
 from .requests import RequestTable
@@ -51,7 +53,7 @@ from .views import EngineViews
 log = logging.getLogger("computron.engine")
 
 
-class Engine(EngineViews, HostModelsControl):
+class Engine(EngineViews, HostModelsControl, Intake):
     def __init__(self, config: EngineConfig, model_configs: List[ModelConfig], layout, channel,
                  workers: List[msg.WorkerReady], on_close: Optional[Callable[[bool], None]] = None):
         self.config = config
@@ -69,6 +71,7 @@ class Engine(EngineViews, HostModelsControl):
         self._requests = RequestTable(self._batch_managers, {
             mc.model_id: config.queue_size if mc.queue_size is None else mc.queue_size for mc in model_configs},
             self._telemetry)
+        self._admission = Admission(config, self._requests, self._sched, self._telemetry)
         self._tracker = CommandTracker(self.n_workers, channel)
         self._token_level = TokenLevel(config, self._requests, self._tracker, self._telemetry, self._sched,
                                        self.n_workers, workers[0].device, self._pump_soon.now)
@@ -235,31 +238,6 @@ class Engine(EngineViews, HostModelsControl):
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-
-    async def _admit(self, model_id: str, data: Any, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
-        """Prepare a request for the version its id names now, and queue it there. Should that version be
-        freed meanwhile (replaced and drained), prepare it again for the current one."""
-        while True:
-            with self._lock:
-                self._raise_if_dead()
-                key, adapter = self._adapters.route(model_id) or (self._catalog.key_of(model_id), None)
-            prepared = await self._prepare(key, data)
-            with self._lock:
-                self._raise_if_dead()
-                if self._catalog.accepts(key) and (adapter is None or self._adapters.route(model_id) is not None):
-                    uid = self._requests.add(key, prepared, fut, loop, stream, adapter=adapter)
-                    self._sched.note_arrival(key, time.perf_counter())
-                    self._pump_soon.soon(loop)
-                    return uid
-
-    async def _prepare(self, key: str, data: Any) -> Any:
-        """Validate and prepare a request before it is queued: never under the engine's lock, and on the
-        preparation threads (``preparation.py``) for batch managers that tokenize or decode
-        (``prepare_off_loop``), so neither the loop nor the thread that delivers replies waits for it."""
-        if getattr(self._requests.manager(key), "prepare_off_loop", False):
-            return await asyncio.get_running_loop().run_in_executor(self._preparation, self._requests.prepare,
-                                                                    key, data)
-        return self._requests.prepare(key, data)
 
     def _cancel(self, uid: int) -> None:
         with self._lock:

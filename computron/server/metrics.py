@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.protocol import ClusterSnapshot
+from ..sched.admission import REASONS as REFUSAL_REASONS
 from .residency import Residency
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -152,6 +153,14 @@ class _EngineCollector:
         for m, v in sorted({**dict.fromkeys(models, 0), **c.get("steps", {})}.items()):
             steps.add_metric([m], v)
         yield steps
+        rejected = CounterMetricFamily("computron_rejections", "Requests refused before any work on them, by "
+                                       "model and reason (queue_full, ttft_late): answered 429 with Retry-After",
+                                       labels=["model", "reason"])
+        counts = {(m, r): 0 for m in snap.models for r in REFUSAL_REASONS}
+        counts.update(c.get("rejections", {}))
+        for (m, r), v in sorted(counts.items()):
+            rejected.add_metric([m, r], v)
+        yield rejected
         late = CounterMetricFamily("computron_late_heartbeats", "Times a worker's heartbeats were late while its "
                                    "process ran or waited for a CPU (a busy machine), by rank", labels=["rank"])
         for r, v in sorted(c.get("late_heartbeats", {}).items()):

@@ -180,6 +180,10 @@ class RestartingEngine:
                 log.info("stream of model %r sent again to the restarted engine (%d tokens to check)", model_id,
                          len(sent))
 
+    def check_admission(self, model_id: str) -> None:
+        if self._engine.is_alive:  # a dead engine's requests wait for the restarted one
+            self._engine.check_admission(model_id)
+
     # ---- EngineClient: state --------------------------------------------------
     @property
     def is_alive(self) -> bool:

@@ -11,8 +11,9 @@ through the ``served_state`` dependency. It holds:
   inference routes take their model from ``resolve``, which waits for such a load;
 - the engine (an ``EngineClient``), the settings, the Prometheus metrics, and ``draining`` (set on
   SIGTERM/SIGINT and at shutdown);
-- the checks every inference request passes before it reaches the engine: ``check_serving`` (not
-  draining, engine alive) and ``admit`` (those, then the model's queue).
+- the checks every inference request passes before it reaches the engine: ``refuse_early`` (right after
+  its model id is read, before any other work: a full queue or a predicted-late request is refused at
+  once, 429 with ``Retry-After``), ``check_serving`` (not draining, engine alive) and ``admit``.
 
 ``api_key(endpoint)`` is the FastAPI dependency of the routes that need a key; ``Call`` counts one
 inference request in ``computron_requests`` and logs it at debug level, once, however it ends.
@@ -128,6 +129,15 @@ class ServerState:
         if not self.engine.is_alive:
             raise EngineDeadError(self.engine.dead_reason or "engine is dead")
 
+    def refuse_early(self, model_id: Any) -> None:
+        """Right after a request's model id is read: 503 while draining or dead, and the engine's refusal
+        (``QueueFullError``: 429 with ``Retry-After``) when the model's queue is full or the request would
+        be late, before the body is parsed further or its prompt tokenized. Nothing for an id not served
+        (yet): the request's own checks answer it."""
+        if isinstance(model_id, str) and model_id in self.models:
+            self.check_serving()
+            self.engine.check_admission(model_id)
+
     def admit(self, model: ServedModel) -> None:
         """``check_serving``. (A full queue is the engine's to refuse: ``ModelConfig.queue_size`` carries
         the config's per-model bound, and its QueueFullError answers 429.)"""
@@ -203,6 +213,8 @@ class Call:
 
     def failed(self, err: Union[APIError, V2Error]) -> Response:
         self.metrics.request_done(self.label, self.endpoint, err.status)
+        if err.status == 429:  # the master's time on a refusal, for clients and benchmarks to see
+            err.headers = {**err.headers, "Server-Timing": f"admission;dur={self.elapsed() * 1e3:.3f}"}
         log.debug("%s %s: %d %s (%.1f ms)", self.endpoint, self.label, err.status, err.message,
                   self.elapsed() * 1e3)
         return error_response(err)

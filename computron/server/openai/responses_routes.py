@@ -40,6 +40,7 @@ async def responses(request: Request, state: ServerState = Depends(served_state)
     call, body = Call(state, "responses"), None
     try:
         body = await read_json(request)
+        state.refuse_early(body.get("model") if isinstance(body, dict) else None)
         p, messages, tools = parse_responses(body)
         served = await generator_model(state, request, p.model)
         call.label = served.id

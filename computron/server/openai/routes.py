@@ -118,6 +118,7 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
         model_id = body.get("model") if isinstance(body, dict) else None
         if state.kind_of(model_id) is ModelKind.GENERATION:
             call.label = model_id  # the label of this request's metrics, whatever else is wrong with it
+            state.refuse_early(model_id)
         max_n = state.settings.max_n
         p = parse_chat(body, max_n) if chat else parse_completion(body, max_n)
         served = await generator_model(state, request, p.model)
@@ -182,6 +183,7 @@ async def embeddings(request: Request, state: ServerState = Depends(served_state
     try:
         body = await read_json(request)
         model_id = model_field(body)
+        state.refuse_early(model_id)
         m = await state.resolve(request, model_id)
         if m.kind is ModelKind.GENERATION:
             raise bad("model", f"model {model_id!r} is a text-generation model and serves no embeddings")

@@ -94,6 +94,7 @@ async def infer(name: str, request: Request, version: Optional[str] = None,
     call = Call(state, "v2_infer")
     try:
         body = await read_json(request)
+        state.refuse_early(name)
         if name not in state.models and state.registry.can_load(name):
             await state.resolve(request, name)  # a repository model's first request: load it
         served = _v2_model(state, name)

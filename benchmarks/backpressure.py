@@ -1,0 +1,169 @@
+"""Back-pressure under a burst: how many requests a bounded queue admits, and how fast the rest are refused.
+
+Starts ``computron serve`` (one tiny OPT checkpoint with a trained tokenizer, ``--queue-size``, a batch of
+``--batch``) as a subprocess, opens ``--burst`` persistent connections with one httpx client (each used
+once for ``GET /health`` first, so no refusal pays a TCP handshake), then sends ``--burst`` completions at
+once, each on its own connection, each asking for ``--max-tokens`` tokens. Each request's latency is taken
+from when its last byte was written to when its answer's headers were read (httpcore's trace events). Refusals must be 429 with a ``Retry-After``
+of whole seconds >= 1.
+
+With ``--ttft-slo S`` the model also has a TTFT objective of S seconds and ``ttft_refusal_factor``
+``--ttft-factor``: once the predicted time to first token (the queue ahead at the model's measured
+per-request time, its prefill) exceeds the factor times S, requests are refused before the queue is full
+(reason ``ttft`` in ``computron_rejections``). ``master_ms`` is the refusals' time inside the server
+(``Server-Timing: admission;dur=...``, from the route's start to the refusal), the master's own share.
+
+Prints one JSON line: statuses, refusals' latency (p50, p95, max, ms) and their master time, Retry-After
+values, the rejection counters of ``/metrics`` by reason.
+
+    .venv/bin/python benchmarks/backpressure.py                                   # 200 at queue_size 50
+    .venv/bin/python benchmarks/backpressure.py --ttft-slo 0.05 --ttft-factor 2  # predicted-late refusals
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import yaml
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
+
+from workload import machine_info  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--burst", type=int, default=200, help="requests sent at once")
+    p.add_argument("--queue-size", type=int, default=50)
+    p.add_argument("--batch", type=int, default=4, help="the model's max_batch_size")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ttft-slo", type=float, default=None, help="engine.ttft_slo_s (with --ttft-factor)")
+    p.add_argument("--ttft-factor", type=float, default=2.0, help="engine.ttft_refusal_factor")
+    p.add_argument("--port", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: str, args) -> subprocess.Popen:
+    from computron import tokenizer_zoo
+    path = tokenizer_zoo.save_checkpoint_with_tokenizer("opt-tiny", os.path.join(tmp, "m"), seed=0,
+                                                        tokenizer=tokenizer_zoo.train_bpe(vocab_size=512))
+    engine = {"tp": 1, "max_loaded": 1, "queue_size": args.queue_size, "max_batch_size": args.batch}
+    if args.ttft_slo is not None:
+        engine.update(ttft_slo_s=args.ttft_slo, ttft_refusal_factor=args.ttft_factor)
+    cfg = {"models": [{"id": "m", "path": path}], "engine": engine,
+           "server": {"port": args.port, "log_level": "warning"}}
+    with open(os.path.join(tmp, "serve.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f)
+    log = open(os.path.join(tmp, "serve.log"), "w")
+    return subprocess.Popen([sys.executable, "-m", "computron", "serve", "--config", os.path.join(tmp, "serve.yaml")],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+
+
+async def wait_ready(client: httpx.AsyncClient, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"computron serve exited with {proc.returncode} during start-up")
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.2)  # readiness retry within a deadline
+    raise TimeoutError("computron serve not ready")
+
+
+async def one(client: httpx.AsyncClient, i: int, args) -> dict:
+    body = {"model": "m", "prompt": f"request {i} of the burst says", "max_tokens": args.max_tokens,
+            "ignore_eos": True}
+    marks = {}
+
+    async def trace(event, info):  # httpcore's: when the request's bytes went out, when the answer's came in
+        if event in ("http11.send_request_body.complete", "http11.receive_response_headers.complete"):
+            marks[event] = time.perf_counter()
+
+    r = await client.post("/v1/completions", json=body, extensions={"trace": trace})
+    latency = marks["http11.receive_response_headers.complete"] - marks["http11.send_request_body.complete"]
+    timing = re.search(r"admission;dur=([0-9.]+)", r.headers.get("server-timing", ""))
+    return {"status": r.status_code, "latency_s": latency, "retry_after": r.headers.get("retry-after"),
+            "master_ms": float(timing.group(1)) if timing else None,
+            "code": r.json().get("error", {}).get("code") if r.status_code != 200 else None}
+
+
+def rejections(metrics_text: str) -> dict:
+    out = {}
+    for line in metrics_text.splitlines():
+        m = re.match(r'computron_rejections_total\{model="m",reason="([a-z_]+)"\} ([0-9.e+]+)', line)
+        if m:
+            out[m.group(1)] = int(float(m.group(2)))
+    return out
+
+
+async def run(args) -> dict:
+    limits = httpx.Limits(max_connections=args.burst, max_keepalive_connections=args.burst)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = start_server(tmp, args)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", limits=limits,
+                                         timeout=600) as client:
+                await wait_ready(client, proc)
+                warm = await client.post("/v1/completions", json={"model": "m", "prompt": "warm", "max_tokens": 4})
+                assert warm.status_code == 200, warm.text
+                await asyncio.gather(*(client.get("/health") for _ in range(args.burst)))  # the connections
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(one(client, i, args) for i in range(args.burst)))
+                wall = time.perf_counter() - t0
+                metrics = (await client.get("/metrics")).text
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    refused = [r for r in results if r["status"] == 429]
+    lat_ms = [r["latency_s"] * 1e3 for r in refused]
+    master = [r["master_ms"] for r in refused if r["master_ms"] is not None]
+    statuses = {}
+    for r in results:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    retry = sorted({int(r["retry_after"]) for r in refused if r["retry_after"] is not None})
+    return {"benchmark": "backpressure", "burst": args.burst, "queue_size": args.queue_size, "batch": args.batch,
+            "max_tokens": args.max_tokens, "ttft_slo_s": args.ttft_slo,
+            "ttft_factor": args.ttft_factor if args.ttft_slo is not None else None, "statuses": statuses,
+            "admitted": sum(r["status"] == 200 for r in results), "refused": len(refused),
+            "refusals_without_retry_after": sum(r["retry_after"] is None for r in refused),
+            "refusal_codes": sorted({r["code"] for r in refused}),
+            "refusal_ms": {"p50": pct(lat_ms, 50), "p95": pct(lat_ms, 95), "max": max(lat_ms, default=None),
+                           "mean": statistics.mean(lat_ms) if lat_ms else None},
+            "refusal_master_ms": {"p50": pct(master, 50), "p95": pct(master, 95), "max": max(master, default=None)},
+            "retry_after_s": {"min": min(retry, default=None), "max": max(retry, default=None)},
+            "rejections": rejections(metrics), "wall_s": wall, "machine": machine_info()}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.port = args.port or free_port()
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
