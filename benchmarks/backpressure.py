@@ -4,8 +4,8 @@ Starts ``computron serve`` (one tiny OPT checkpoint with a trained tokenizer, ``
 ``--batch``) as a subprocess, opens ``--burst`` persistent connections with one httpx client (each used
 once for ``GET /health`` first, so no refusal pays a TCP handshake), then sends ``--burst`` completions at
 once, each on its own connection, each asking for ``--max-tokens`` tokens. Each request's latency is taken
-from when its last byte was written to when its answer's headers were read (httpcore's trace events). Refusals must be 429 with a ``Retry-After``
-of whole seconds >= 1.
+from when its last byte was written to when its answer's headers were read (httpcore's trace events).
+Refusals must be 429 with a ``Retry-After`` of whole seconds >= 1.
 
 With ``--ttft-slo S`` the model also has a TTFT objective of S seconds and ``ttft_refusal_factor``
 ``--ttft-factor``: once the predicted time to first token (the queue ahead at the model's measured

@@ -32,7 +32,8 @@ from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
 from ..lora.adapter import check_adapter_config
-from ..sched.scheduler import ActionKind
+from ..sched.keep_alive import KeepAlives
+from ..sched.scheduler import ActionKind, ModelState
 from .adapters import Adapters
 from .admission import Admission
 from .batches import RequestLevel
@@ -73,6 +74,9 @@ class Engine(EngineViews, HostModelsControl, Intake):
             self._telemetry)
         self._admission = Admission(config, self._requests, self._sched, self._telemetry)
         self._tracker = CommandTracker(self.n_workers, channel)
+        self._keep = KeepAlives(config.keep_alive,
+                                own=lambda k: getattr(self._catalog.configs.get(k), "keep_alive", None))
+        self._requests.on_done = self._keep.done
         self._token_level = TokenLevel(config, self._requests, self._tracker, self._telemetry, self._sched,
                                        self.n_workers, workers[0].device, self._pump_soon.now)
         for m, bm in self._batch_managers.items():
@@ -156,6 +160,12 @@ class Engine(EngineViews, HostModelsControl, Intake):
         with self._lock:
             self._catalog.set_pinned(model_id, pinned)
             self._pump()
+
+    def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:
+        """A request for ``model_id`` gave this keep-alive (``sched/keep_alive.py``: seconds, ``FOREVER``;
+        None: it gave none, the model's own applies): how long the model stays resident once idle."""
+        with self._lock:
+            self._keep.requested(self._key_of(model_id)[0], seconds)
 
     def set_priority(self, model_id: str, priority: int) -> None:
         """A higher priority goes first when models wait for a slot, and is evicted last."""
@@ -265,6 +275,7 @@ class Engine(EngineViews, HostModelsControl, Intake):
             self._catalog.reap()
             self._adapters.reap()
             now = time.perf_counter()
+            self._release_expired(now)
             heads = self._heads(now)
             actions = self._sched.decide(heads, self._token_level.live_models(), now, self._token_level.ahead(now))
             if not actions:
@@ -276,6 +287,15 @@ class Engine(EngineViews, HostModelsControl, Intake):
                     self._token_level.dispatch_step(a.model_id)
                 else:
                     self._request_level.dispatch(a.model_id)
+
+    def _release_expired(self, now: float) -> None:
+        """Offload the idle resident models whose keep-alive is up. Caller holds the lock."""
+        idle = [k for k in self._sched.resident() if self._sched.states[k] is ModelState.LOADED
+                and not self._requests.busy(k)]
+        for k in self._keep.expired(idle, now):
+            action = self._sched.release(k)
+            if action is not None:
+                self._swaps.send(action, {}, now)
 
     # ---- replies from workers (receiver thread) ------------------------------
     def on_reply(self, reply: Any) -> None:
@@ -323,6 +343,7 @@ class Engine(EngineViews, HostModelsControl, Intake):
             if reason is not None:
                 self._die(reason)
                 return False
+            self._release_expired(time.perf_counter())  # keep-alives run out on this timer too
             return True
 
     def on_transport_error(self, exc: BaseException, cause: Optional[str] = None) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter, deque
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional
 
 from ..batching.base import SubmitEntry
 from ..errors import PayloadError, QueueFullError, UnknownModelError
@@ -38,6 +38,8 @@ class RequestTable:
         self._open: Counter = Counter()
         """Per model: requests queued or running, not yet answered."""
         self.service = ServiceClock()
+        self.on_done: Callable[[str, float], None] = lambda model_id, now: None
+        """Told when a request of a model was answered or cancelled (the keep-alive counts from then)."""
 
     def add_model(self, model_id: str, batch_manager: Any, queue_size: int) -> None:
         """A model added while serving (``catalog.py``)."""
@@ -118,6 +120,7 @@ class RequestTable:
         if req is not None:
             self._telemetry.counters["requests"][(req.adapter or req.model_id, "cancelled")] += 1
             self._closed(req.model_id)
+            self.on_done(req.model_id, time.perf_counter())
         return req
 
     def _closed(self, model_id: str) -> None:
@@ -143,6 +146,7 @@ class RequestTable:
             preemptions=req.preemptions, adapter=req.adapter))
         self._telemetry.counters["requests"][(req.adapter or req.model_id, "ok" if error is None else "error")] += 1
         self._closed(req.model_id)
+        self.on_done(req.model_id, now)
         if error is None:
             self.service.answered(req.model_id, now, self.busy(req.model_id))
         req.resolve(value, error)

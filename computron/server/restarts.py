@@ -233,6 +233,10 @@ class RestartingEngine:
         self._engine.set_priority(model_id, priority)
         self._priority[model_id] = priority
 
+    def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:
+        if self._engine.is_alive:
+            self._engine.note_keep_alive(model_id, seconds)
+
     async def shutdown(self) -> None:
         self._closing = True
         if self._changed is not None:

@@ -32,7 +32,7 @@ from .answer import Answer
 from .chat import ChatTools, chat_messages, parse_tools, template_kwargs
 from .choices import ChoiceRun
 from .embeddings import EMBEDDING_FIELDS, embedding_data, parse_embeddings
-from .fields import model_field
+from .fields import keep_alive_of, model_field
 from .model_info import UNLOADED, model_object, strict_fields, tool_parser
 from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, CompletionParams, choice_requests, engine_field_names,
                        engine_request, parse_chat, parse_completion, prompt_ids, prompts, usage)
@@ -137,6 +137,7 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
             all_ids = [prompt_ids(served.text, x) for x in given]
             echoes = [(x if isinstance(x, str) else served.text.decode(x)) if p.echo else None for x in given]
         state.admit(served)
+        state.engine.note_keep_alive(served.id, keep_alive_of(body))
         runs = runs_of(p, served, all_ids, state.settings.default_max_tokens if chat else 16, echoes)
         answer = Answer(p.model, chat, served.text.token_str, tools, tool_parser(state, served) if chat else None)
         gen = Generation(state, request, call, served.id, runs)
