@@ -10,7 +10,8 @@ Refusals must be 429 with a ``Retry-After`` of whole seconds >= 1.
 With ``--ttft-slo S`` the model also has a TTFT objective of S seconds and ``ttft_refusal_factor``
 ``--ttft-factor``: once the predicted time to first token (the queue ahead at the model's measured
 per-request time, its prefill) exceeds the factor times S, requests are refused before the queue is full
-(reason ``ttft`` in ``computron_rejections``). ``master_ms`` is the refusals' time inside the server
+(reason ``ttft_late`` in ``computron_rejections_total``). Before the burst, twice ``--batch`` requests run
+together, so the model's per-request time is measured. ``master_ms`` is the refusals' time inside the server
 (``Server-Timing: admission;dur=...``, from the route's start to the refusal), the master's own share.
 
 Prints one JSON line: statuses, refusals' latency (p50, p95, max, ms) and their master time, Retry-After
@@ -129,8 +130,10 @@ async def run(args) -> dict:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", limits=limits,
                                          timeout=600) as client:
                 await wait_ready(client, proc)
-                warm = await client.post("/v1/completions", json={"model": "m", "prompt": "warm", "max_tokens": 4})
-                assert warm.status_code == 200, warm.text
+                warm = await asyncio.gather(*(client.post("/v1/completions", json={
+                    "model": "m", "prompt": "warm", "max_tokens": args.max_tokens, "ignore_eos": True})
+                    for _ in range(2 * args.batch)))  # a busy period: the per-request time is measured
+                assert all(w.status_code == 200 for w in warm), [w.text for w in warm]
                 await asyncio.gather(*(client.get("/health") for _ in range(args.burst)))  # the connections
                 t0 = time.perf_counter()
                 results = await asyncio.gather(*(one(client, i, args) for i in range(args.burst)))

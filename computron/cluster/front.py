@@ -268,7 +268,7 @@ class ClusterEngine(CatalogMixin, HostPlanning, ViewsMixin):
                 self._finished(g, model_id, tokens)
         raise EngineDeadError(f"request to model {model_id!r} failed twice: {'; then '.join(died)}")
 
-    def check_admission(self, model_id: str) -> None:
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
         """Nothing: each group's engine refuses a request the router sends it (its queue is that group's)."""
 
     def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:

@@ -26,19 +26,20 @@ class Admission:
         self.ttft_limit_s: Optional[float] = factor * config.ttft_slo_s if factor else None
         """Predicted time to first token over which requests are refused (None: no TTFT check)."""
 
-    def outlook(self, key: str) -> policy.Outlook:
+    def outlook(self, key: str, arriving: int = 0) -> policy.Outlook:
         load = self._telemetry.last_swap.get(key, {}).get("load")
         return policy.Outlook(
-            waiting=self._requests.waiting(key), bound=self._requests.queue_sizes.get(key, 0),
+            waiting=self._requests.waiting(key) + arriving, bound=self._requests.queue_sizes.get(key, 0),
             per_request_s=self._requests.service.per_request_s(key),
             resident=self._sched.state(key) in (ModelState.LOADED, ModelState.LOADING),
             load_s=load["seconds"] if load else None,
             prefill_tokens_per_s=self._telemetry.prefill_rate.get(key))
 
-    def check(self, key: str, label: str, prompt_tokens: Optional[int] = None) -> None:
+    def check(self, key: str, label: str, prompt_tokens: Optional[int] = None, arriving: int = 0) -> None:
         """Raise (and count) the refusal of a request for ``key`` (``label``: the id it asked for: a model's,
-        or a LoRA adapter's), if it is refused now; ``prompt_tokens`` once known (the TTFT's prefill)."""
-        refusal = policy.admit(label, self.outlook(key), self.ttft_limit_s, prompt_tokens)
+        or a LoRA adapter's), if it is refused now; ``prompt_tokens`` once known (the TTFT's prefill);
+        ``arriving``: requests let through and not yet submitted (the server's), counted as waiting."""
+        refusal = policy.admit(label, self.outlook(key, arriving), self.ttft_limit_s, prompt_tokens)
         if refusal is not None:
             self._telemetry.counters["rejections"][(label, refusal.reason)] += 1
             raise QueueFullError(refusal.message, refusal.reason, refusal.retry_after_s)

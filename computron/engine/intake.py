@@ -15,14 +15,15 @@ from .admission import prompt_tokens
 
 
 class Intake:
-    def check_admission(self, model_id: str) -> None:
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
         """Raise the refusal a request for ``model_id`` would get now (``QueueFullError``: a full queue, or a
         predicted time to first token over the limit; counted), before any work on it: what the server asks
-        right after reading a request's model id. UnknownModelError for an id not served."""
+        right after reading a request's model id; ``arriving``: requests it let through that have not reached
+        the engine yet, counted as waiting. UnknownModelError for an id not served."""
         with self._lock:
             self._raise_if_dead()
             key = self._key_of(model_id)[0]
-            self._admission.check(key, model_id)
+            self._admission.check(key, model_id, arriving=arriving)
 
     def _key_of(self, model_id: str):
         return self._adapters.route(model_id) or (self._catalog.key_of(model_id), None)

@@ -116,11 +116,12 @@ class EngineClient(Protocol):
         request with ``logprobs`` or ``prompt_logprobs`` yields ``TokenLogprob`` items instead of ints,
         after one ``PromptLogprobs`` first if it asked for ``prompt_logprobs``."""
 
-    def check_admission(self, model_id: str) -> None:
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
         """Raise the refusal a request for ``model_id`` would get now (``QueueFullError`` with its reason and
         ``retry_after_s``: a full queue, a predicted time to first token over the limit), counted in
-        ``counters()["rejections"]``; nothing to admit it. The server asks this before any other work on a
-        request. An engine that refuses only when a request reaches it (engine groups) does nothing here."""
+        ``counters()["rejections"]``; nothing to admit it. ``arriving``: requests the caller let through and
+        has not submitted yet, counted as waiting. The server asks this before any other work on a request.
+        An engine that refuses only when a request reaches it (engine groups) does nothing here."""
 
     def snapshot(self) -> EngineSnapshot:
         """``alive``, ``dead_reason`` and each model's ``ModelSnapshot`` (state, tier, waiting, running,

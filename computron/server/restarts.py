@@ -180,9 +180,9 @@ class RestartingEngine:
                 log.info("stream of model %r sent again to the restarted engine (%d tokens to check)", model_id,
                          len(sent))
 
-    def check_admission(self, model_id: str) -> None:
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
         if self._engine.is_alive:  # a dead engine's requests wait for the restarted one
-            self._engine.check_admission(model_id)
+            self._engine.check_admission(model_id, arriving)
 
     # ---- EngineClient: state --------------------------------------------------
     @property
