@@ -15,10 +15,14 @@ together, so the model's per-request time is measured. ``master_ms`` is the refu
 (``Server-Timing: admission;dur=...``, from the route's start to the refusal), the master's own share.
 
 Prints one JSON line: statuses, refusals' latency (p50, p95, max, ms) and their master time, Retry-After
-values, the rejection counters of ``/metrics`` by reason.
+values, the rejection counters of ``/metrics`` by reason. With ``--compare DIR`` (a checkout of another
+version of computron, e.g. ``git archive <commit> | tar -x -C DIR``) the burst runs ``--repeats`` times
+against each, alternating (the other version's server first, then this one's, ...), and the line holds both
+sides' runs and the ratio of their median refusal latencies (this / other).
 
     .venv/bin/python benchmarks/backpressure.py                                   # 200 at queue_size 50
-    .venv/bin/python benchmarks/backpressure.py --ttft-slo 0.05 --ttft-factor 2  # predicted-late refusals
+    .venv/bin/python benchmarks/backpressure.py --ttft-slo 0.1 --ttft-factor 2   # predicted-late refusals
+    .venv/bin/python benchmarks/backpressure.py --compare /tmp/computron-base    # against an older version
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import httpx
 import yaml
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(_HERE)
 sys.path.insert(0, os.path.join(_HERE, "..", "experiments"))
 
 from workload import machine_info  # noqa: E402
@@ -51,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--ttft-slo", type=float, default=None, help="engine.ttft_slo_s (with --ttft-factor)")
     p.add_argument("--ttft-factor", type=float, default=2.0, help="engine.ttft_refusal_factor")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--compare", metavar="DIR", help="another checkout to run alternately with this one")
+    p.add_argument("--repeats", type=int, default=2, help="runs per side with --compare")
     return p.parse_args(argv)
 
 
@@ -66,7 +73,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: str, args) -> subprocess.Popen:
+def start_server(tmp: str, args, code: str) -> subprocess.Popen:
     from computron import tokenizer_zoo
     path = tokenizer_zoo.save_checkpoint_with_tokenizer("opt-tiny", os.path.join(tmp, "m"), seed=0,
                                                         tokenizer=tokenizer_zoo.train_bpe(vocab_size=512))
@@ -79,7 +86,8 @@ def start_server(tmp: str, args) -> subprocess.Popen:
         yaml.safe_dump(cfg, f)
     log = open(os.path.join(tmp, "serve.log"), "w")
     return subprocess.Popen([sys.executable, "-m", "computron", "serve", "--config", os.path.join(tmp, "serve.yaml")],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                            stdout=log, stderr=subprocess.STDOUT, cwd=code,
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=code))
 
 
 async def wait_ready(client: httpx.AsyncClient, proc: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -122,10 +130,10 @@ def rejections(metrics_text: str) -> dict:
     return out
 
 
-async def run(args) -> dict:
+async def run(args, code: str = REPO) -> dict:
     limits = httpx.Limits(max_connections=args.burst, max_keepalive_connections=args.burst)
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_server(tmp, args)
+        proc = start_server(tmp, args, code)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", limits=limits,
                                          timeout=600) as client:
@@ -159,13 +167,29 @@ async def run(args) -> dict:
                            "mean": statistics.mean(lat_ms) if lat_ms else None},
             "refusal_master_ms": {"p50": pct(master, 50), "p95": pct(master, 95), "max": max(master, default=None)},
             "retry_after_s": {"min": min(retry, default=None), "max": max(retry, default=None)},
-            "rejections": rejections(metrics), "wall_s": wall, "machine": machine_info()}
+            "rejections": rejections(metrics), "wall_s": wall, "load_average": os.getloadavg()}
+
+
+def compare(args) -> dict:
+    """``--repeats`` bursts per side, alternating: the other checkout's server, then this one's."""
+    sides = {"other": [], "this": []}
+    for _ in range(args.repeats):
+        for side, code in (("other", os.path.abspath(args.compare)), ("this", REPO)):
+            args.port = free_port()
+            sides[side].append(asyncio.run(run(args, code)))
+            print(f"  {side}: {sides[side][-1]['refusal_ms']}", file=sys.stderr, flush=True)
+    p50 = {s: statistics.median(r["refusal_ms"]["p50"] for r in rs) for s, rs in sides.items()}
+    return {"benchmark": "backpressure_compare", "other": os.path.abspath(args.compare), "runs": sides,
+            "refusal_p50_ms": p50, "refusal_p50_ratio": p50["this"] / p50["other"], "machine": machine_info()}
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.compare:
+        print(json.dumps(compare(args)), flush=True)
+        return
     args.port = args.port or free_port()
-    print(json.dumps(asyncio.run(run(args))), flush=True)
+    print(json.dumps({**asyncio.run(run(args)), "machine": machine_info()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ Components (one owner each, all called under the engine's lock): ``requests.Requ
 batch of token-level generation), ``swaps.Swaps`` (loads and offloads), ``liveness.Liveness`` (heartbeats,
 the watchdog), ``telemetry.Telemetry`` (records, timeline, counters), ``catalog.Catalog`` (which models and
 versions exist; adding, replacing, removing them while serving), ``adapters.Adapters`` (LoRA adapters on
-served models) and ``host_models.HostModels`` (the models kept in host memory by plan).
-``views.EngineViews`` is the read-only half of the public API. Causal LMs generate token by token
+served models) and ``host_models.HostModels`` (the models kept in host memory by plan), ``admission.Admission``
+(refusals before any work on a request) and ``sched.keep_alive.KeepAlives`` (idle models offloaded when their
+keep-alive is up, here and on the watchdog's timer). ``views.EngineViews`` is the read-only half of the public
+API, ``intake.Intake`` the half that takes requests in. Causal LMs generate token by token
 (``EngineConfig.step_mode``); other models, and paper mode, run each batch as one command.
 """
 from __future__ import annotations

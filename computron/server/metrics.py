@@ -4,7 +4,8 @@ Request metrics are observed by the routes through ``ServerMetrics``' methods: o
 counts, time to first token and per output token for every answered completion, streamed or not
 (the routes take tokens as the engine makes them), end-to-end latency. Engine state (queue depth,
 running sequences, each model's ``Residency``) and the engine's cumulative counters (swaps, swap
-seconds and bytes, preemptions, steps) are read from ``engine.snapshot()`` and ``engine.counters()``
+seconds and bytes, preemptions, steps, requests refused before any work by reason:
+``computron_rejections_total{model,reason}``) are read from ``engine.snapshot()`` and ``engine.counters()``
 at scrape time, so they cannot drift from the engine's own.
 
 A LoRA adapter has its own request, token, latency, queue and running series; its residency gauges are

@@ -158,3 +158,15 @@ def test_ps_table_lines_up_the_columns():
     column = lines[0].index("STATE")
     assert [ln.index(w) for ln, w in zip(lines, ("STATE", "resident", "host", "resident"))] == [column] * 4
     assert human_bytes(0) == "-" and human_bytes(999) == "999 B" and human_bytes(3 * 10**9) == "3.0 GB"
+
+
+def test_the_serve_config_and_flag_read_keep_alive_and_name_a_bad_one(tmp_path):
+    from computron.server.cli import _parser
+    from computron.server.config import ConfigError, parse_engine
+    assert parse_engine({"keep_alive": "30s"})[0].keep_alive == 30.0
+    with pytest.raises(ConfigError, match=r"^engine\.keep_alive='5x': must be a duration"):
+        parse_engine({"keep_alive": "5x"})
+    args = _parser().parse_args(["serve", "--keep-alive", "5m", "--queue-size", "50", str(tmp_path)])
+    assert (args.keep_alive, args.queue_size) == ("5m", 50)
+    ps = _parser().parse_args(["ps", "--port", "8001", "--api-key", "k"])
+    assert (ps.command, ps.port, ps.api_key, ps.url) == ("ps", 8001, "k", None)
