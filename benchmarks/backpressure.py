@@ -15,7 +15,9 @@ together, so the model's per-request time is measured. ``master_ms`` is the refu
 (``Server-Timing: admission;dur=...``, from the route's start to the refusal), the master's own share.
 
 Prints one JSON line: statuses, refusals' latency (p50, p95, max, ms) and their master time, Retry-After
-values, the rejection counters of ``/metrics`` by reason. With ``--compare DIR`` (a checkout of another
+values, the rejection counters of ``/metrics`` by reason, and ``health_ms``: the same burst of ``GET /health`` on the
+same connections just before (what the machine, the client and the HTTP stack take for an answer that does
+nothing). With ``--compare DIR`` (a checkout of another
 version of computron, e.g. ``git archive <commit> | tar -x -C DIR``) the burst runs ``--repeats`` times
 against each, alternating (the other version's server first, then this one's, ...), and the line holds both
 sides' runs and the ratio of their median refusal latencies (this / other).
@@ -104,17 +106,22 @@ async def wait_ready(client: httpx.AsyncClient, proc: subprocess.Popen, timeout_
     raise TimeoutError("computron serve not ready")
 
 
-async def one(client: httpx.AsyncClient, i: int, args) -> dict:
-    body = {"model": "m", "prompt": f"request {i} of the burst says", "max_tokens": args.max_tokens,
-            "ignore_eos": True}
+async def timed(client: httpx.AsyncClient, method: str, path: str, **kw):
+    """``(response, seconds)`` from its last byte written to its answer's headers read (httpcore's trace)."""
     marks = {}
 
-    async def trace(event, info):  # httpcore's: when the request's bytes went out, when the answer's came in
+    async def trace(event, info):
         if event in ("http11.send_request_body.complete", "http11.receive_response_headers.complete"):
             marks[event] = time.perf_counter()
 
-    r = await client.post("/v1/completions", json=body, extensions={"trace": trace})
-    latency = marks["http11.receive_response_headers.complete"] - marks["http11.send_request_body.complete"]
+    r = await client.request(method, path, extensions={"trace": trace}, **kw)
+    return r, marks["http11.receive_response_headers.complete"] - marks["http11.send_request_body.complete"]
+
+
+async def one(client: httpx.AsyncClient, i: int, args) -> dict:
+    body = {"model": "m", "prompt": f"request {i} of the burst says", "max_tokens": args.max_tokens,
+            "ignore_eos": True}
+    r, latency = await timed(client, "POST", "/v1/completions", json=body)
     timing = re.search(r"admission;dur=([0-9.]+)", r.headers.get("server-timing", ""))
     return {"status": r.status_code, "latency_s": latency, "retry_after": r.headers.get("retry-after"),
             "master_ms": float(timing.group(1)) if timing else None,
@@ -143,6 +150,8 @@ async def run(args, code: str = REPO) -> dict:
                     for _ in range(2 * args.batch)))  # a busy period: the per-request time is measured
                 assert all(w.status_code == 200 for w in warm), [w.text for w in warm]
                 await asyncio.gather(*(client.get("/health") for _ in range(args.burst)))  # the connections
+                health = await asyncio.gather(*(timed(client, "GET", "/health") for _ in range(args.burst)))
+                health_ms = [dt * 1e3 for _, dt in health]
                 t0 = time.perf_counter()
                 results = await asyncio.gather(*(one(client, i, args) for i in range(args.burst)))
                 wall = time.perf_counter() - t0
@@ -165,6 +174,7 @@ async def run(args, code: str = REPO) -> dict:
             "refusal_codes": sorted({r["code"] for r in refused}),
             "refusal_ms": {"p50": pct(lat_ms, 50), "p95": pct(lat_ms, 95), "max": max(lat_ms, default=None),
                            "mean": statistics.mean(lat_ms) if lat_ms else None},
+            "health_ms": {"p50": pct(health_ms, 50), "p95": pct(health_ms, 95), "max": max(health_ms)},
             "refusal_master_ms": {"p50": pct(master, 50), "p95": pct(master, 95), "max": max(master, default=None)},
             "retry_after_s": {"min": min(retry, default=None), "max": max(retry, default=None)},
             "rejections": rejections(metrics), "wall_s": wall, "load_average": os.getloadavg()}
