@@ -11,8 +11,9 @@ With ``--ttft-slo S`` the model also has a TTFT objective of S seconds and ``ttf
 ``--ttft-factor``: once the predicted time to first token (the queue ahead at the model's measured
 per-request time, its prefill) exceeds the factor times S, requests are refused before the queue is full
 (reason ``ttft_late`` in ``computron_rejections_total``). Before the burst, twice ``--batch`` requests run
-together, so the model's per-request time is measured. ``master_ms`` is the refusals' time inside the server
-(``Server-Timing: admission;dur=...``, from the route's start to the refusal), the master's own share.
+together (at most ``--queue-size``), so the model's per-request time is measured. ``master_ms`` is the
+refusals' time inside the server (``Server-Timing: admission;dur=...``, from the route's start to the
+refusal), the master's own share.
 
 Prints one JSON line: statuses, refusals' latency (p50, p95, max, ms) and their master time, Retry-After
 values, the rejection counters of ``/metrics`` by reason, and ``health_ms``: the same burst of ``GET /health`` on the
@@ -25,6 +26,7 @@ sides' runs and the ratio of their median refusal latencies (this / other).
     .venv/bin/python benchmarks/backpressure.py                                   # 200 at queue_size 50
     .venv/bin/python benchmarks/backpressure.py --ttft-slo 0.1 --ttft-factor 2   # predicted-late refusals
     .venv/bin/python benchmarks/backpressure.py --compare /tmp/computron-base    # against an older version
+    .venv/bin/python benchmarks/backpressure.py --quick                           # the tests' path
 """
 from __future__ import annotations
 
@@ -60,7 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--compare", metavar="DIR", help="another checkout to run alternately with this one")
     p.add_argument("--repeats", type=int, default=2, help="runs per side with --compare")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="a burst of 30 at queue_size 6, 8 tokens: the tests' path")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.burst, args.queue_size, args.max_tokens = 30, 6, 8
+    return args
 
 
 def pct(xs, q):
@@ -147,7 +153,7 @@ async def run(args, code: str = REPO) -> dict:
                 await wait_ready(client, proc)
                 warm = await asyncio.gather(*(client.post("/v1/completions", json={
                     "model": "m", "prompt": "warm", "max_tokens": args.max_tokens, "ignore_eos": True})
-                    for _ in range(2 * args.batch)))  # a busy period: the per-request time is measured
+                    for _ in range(min(2 * args.batch, args.queue_size))))  # a busy period: the per-request time
                 assert all(w.status_code == 200 for w in warm), [w.text for w in warm]
                 await asyncio.gather(*(client.get("/health") for _ in range(args.burst)))  # the connections
                 health = await asyncio.gather(*(timed(client, "GET", "/health") for _ in range(args.burst)))
