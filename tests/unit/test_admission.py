@@ -156,3 +156,18 @@ def test_a_predicted_late_request_is_refused_with_retry_after_from_measured_answ
             await asyncio.sleep(0)
         engine.close()
     asyncio.run(asyncio.wait_for(main(), 4 * WAIT_S))
+
+
+def test_a_refusal_answers_429_with_its_retry_after_and_reason_in_both_shapes():
+    import pickle
+
+    from computron.server.errors import to_openai, to_v2
+    exc = QueueFullError("model 'm': predicted time to first token 7.20s exceeds 2.00s", "ttft_late", 8)
+    o = to_openai(exc)
+    assert (o.status, o.type, o.code, o.headers) == (429, "rate_limit_error", "ttft_late", {"Retry-After": "8"})
+    v = to_v2(exc)
+    assert (v.status, v.headers, v.body()) == (429, {"Retry-After": "8"}, {"error": str(exc)})
+    full = to_openai(QueueFullError("model 'm' already has 50 waiting requests (queue_size=50)"))
+    assert (full.code, full.headers) == ("queue_full", {"Retry-After": "1"})
+    back = pickle.loads(pickle.dumps(exc))  # through Ray, from an engine group
+    assert (type(back), str(back), back.reason, back.retry_after_s) == (QueueFullError, str(exc), "ttft_late", 8)
