@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 from .sched.eviction import EVICTIONS
+from .sched.keep_alive import FOREVER, parse_keep_alive
 from .sched.policies import POLICIES
 
 _BACKENDS = ("gloo", "nccl")
@@ -23,8 +24,9 @@ class EngineConfig:
     """Port of the rendezvous; 0 picks a free port (single-node spawn mode only)."""
     max_loaded: Optional[int] = 1
     """How many models may be resident on the devices at once (>= 1)."""
-    queue_size: int = 0
-    """Per-model bound on waiting requests; 0 means unbounded. Over it: QueueFullError."""
+    queue_size: int = 512
+    """Per-model bound on waiting requests (being prepared included), 0: none; over it QueueFullError at once
+    (429, ``Retry-After``). 512, Ollama's: at an answer a second the last waits under OpenAI clients' 600 s."""
     max_batch_size: int = 0
     """Batch size of the CausalLMBatchManager a causal LM gets when its ModelConfig names none; 0 means 8."""
     backend: Optional[str] = None
@@ -148,7 +150,9 @@ class EngineConfig:
     quantum_ms: float = 200.0
     """Turn length of the 'quantum' policy, in milliseconds of steps."""
     ttft_slo_s: float = 1.0
-    """Time-to-first-token objective of the 'deadline' policy, in seconds."""
+    """Time-to-first-token objective of the 'deadline' policy, in seconds (and of ``ttft_refusal_factor``)."""
+    ttft_refusal_factor: Optional[float] = None
+    """Refuse (429) a request predicted to get its first token later than this times ttft_slo_s; None: never."""
     kv_swap: str = "auto"
     """What happens to a paused sequence's KV cache when its model must leave the devices: 'offload'
     (copied to host memory, pinned on CUDA, and back on resume), 'recompute' (dropped; a prefill of
@@ -161,6 +165,8 @@ class EngineConfig:
     'cost' (the one whose eviction is expected to cost least: its reload seconds, measured or estimated from
     its bytes, times its recent request rate; GreedyDual aging, see ``computron/sched/eviction.py``). Pinned models
     never leave and a lower ``ModelConfig.priority`` leaves first under either."""
+    keep_alive: Any = FOREVER
+    """Seconds or "5m"/"30s" an idle model stays resident; 0: offloaded once done; -1: while memory allows."""
     max_loras: int = 8
     """LoRA adapters a model keeps on the device at once (slots, least recently used leaves first): the
     most distinct adapters one step of that model runs."""
@@ -246,9 +252,10 @@ class EngineConfig:
             _fail(c, "policy", self.policy, f"must be one of {POLICIES}")
         if self.eviction not in EVICTIONS:
             _fail(c, "eviction", self.eviction, f"must be one of {EVICTIONS}")
+        self.keep_alive = parse_keep_alive(self.keep_alive, f"{c}.keep_alive")
         if self.kv_swap not in ("auto", "offload", "recompute"):
             _fail(c, "kv_swap", self.kv_swap, "must be 'auto', 'offload' or 'recompute'")
-        for name in ("quantum_ms", "ttft_slo_s"):
+        for name in ("quantum_ms", "ttft_slo_s") + ("ttft_refusal_factor",) * (self.ttft_refusal_factor is not None):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 _fail(c, name, v, "must be a positive number")
@@ -301,6 +308,8 @@ class ModelConfig:
     queue_size: Optional[int] = None
     """This model's bound on waiting requests (QueueFullError over it); None takes EngineConfig.queue_size,
     0 is unbounded."""
+    keep_alive: Any = None
+    """How long this model stays resident once idle (``EngineConfig.keep_alive``'s forms); None: the engine's."""
     checkpoint: Optional[str] = None
     """A local transformers checkpoint directory (safetensors) of a causal LM or encoder family the
     runners split: each rank then builds the model on the meta device and reads only its own slices of
@@ -350,13 +359,13 @@ class ModelConfig:
         if self.queue_size is not None and (not isinstance(self.queue_size, int) or isinstance(self.queue_size, bool)
                                             or self.queue_size < 0):
             _fail(c, "queue_size", self.queue_size, "must be None or an int >= 0 (0 = unbounded)")
+        self.keep_alive = None if self.keep_alive is None else parse_keep_alive(self.keep_alive, f"{c}.keep_alive")
         if self.checkpoint is not None:
             import os
             if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):
                 _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str), a .gguf file, a hub id "
                       "or None")
             self.checkpoint = os.fspath(self.checkpoint)
-
 
     def for_workers(self) -> "ModelConfig":
         """What a worker needs to build its shard: this config without the master's batch manager."""

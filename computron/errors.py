@@ -46,7 +46,18 @@ class PayloadError(RequestError, ValueError):
 
 
 class QueueFullError(RequestError):
-    """The model's queue already holds ``queue_size`` requests."""
+    """The request was refused before any work on it: its model's queue already holds ``queue_size``
+    requests (``reason`` ``queue_full``), or its predicted time to first token is over the model's limit
+    (``ttft_late``: ``EngineConfig.ttft_refusal_factor``). ``retry_after_s``: whole seconds, at least 1, until
+    the requests ahead are expected to be answered (``sched/admission.py``)."""
+
+    def __init__(self, message: str, reason: str = "queue_full", retry_after_s: int = 1):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep reason and retry_after_s through pickling (engine groups on Ray)
+        return type(self), (str(self), self.reason, self.retry_after_s)
 
 
 class RequestTimeoutError(RequestError, TimeoutError):

@@ -268,6 +268,13 @@ class ClusterEngine(CatalogMixin, HostPlanning, ViewsMixin):
                 self._finished(g, model_id, tokens)
         raise EngineDeadError(f"request to model {model_id!r} failed twice: {'; then '.join(died)}")
 
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
+        """Nothing: each group's engine refuses a request the router sends it (its queue is that group's)."""
+
+    def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:
+        """Nothing: engine groups keep their models by their configs (``ModelConfig.keep_alive``), not by a
+        request's ``keep_alive`` (docs/serving.md says so)."""
+
     async def stream(self, model_id: str, data: Any, timeout: Optional[float] = None) -> AsyncIterator[int]:
         """One generation's token ids as its group makes them. Sent once more to another group if its group
         dies before the first token, or after it where the generation is ``replayable`` (the tokens already

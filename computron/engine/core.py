@@ -13,8 +13,10 @@ Components (one owner each, all called under the engine's lock): ``requests.Requ
 batch of token-level generation), ``swaps.Swaps`` (loads and offloads), ``liveness.Liveness`` (heartbeats,
 the watchdog), ``telemetry.Telemetry`` (records, timeline, counters), ``catalog.Catalog`` (which models and
 versions exist; adding, replacing, removing them while serving), ``adapters.Adapters`` (LoRA adapters on
-served models) and ``host_models.HostModels`` (the models kept in host memory by plan).
-``views.EngineViews`` is the read-only half of the public API. Causal LMs generate token by token
+served models) and ``host_models.HostModels`` (the models kept in host memory by plan), ``admission.Admission``
+(refusals before any work on a request) and ``sched.keep_alive.KeepAlives`` (idle models offloaded when their
+keep-alive is up, here and on the watchdog's timer). ``views.EngineViews`` is the read-only half of the public
+API, ``intake.Intake`` the half that takes requests in. Causal LMs generate token by token
 (``EngineConfig.step_mode``); other models, and paper mode, run each batch as one command.
 """
 from __future__ import annotations
@@ -32,13 +34,16 @@ from ..comm import messages as msg
 from ..config import EngineConfig, ModelConfig
 from ..errors import EngineDeadError, ModelConflictError, RequestTimeoutError, worker_exit_reason
 from ..lora.adapter import check_adapter_config
-from ..sched.scheduler import ActionKind
+from ..sched.keep_alive import KeepAlives
+from ..sched.scheduler import ActionKind, ModelState
 from .adapters import Adapters
+from .admission import Admission
 from .batches import RequestLevel
 from .budget import make_scheduler
 from .catalog import Catalog, Done, done_on
 from .commands import CommandKind, CommandTracker, complete_cleanup, complete_query
 from .host_models import HostModels, HostModelsControl
+from .intake import Intake
 from .liveness import Liveness
 from .preparation import PumpSoon, preparation_pool
 from .requests import RequestTable
@@ -51,7 +56,7 @@ from .views import EngineViews
 log = logging.getLogger("computron.engine")
 
 
-class Engine(EngineViews, HostModelsControl):
+class Engine(EngineViews, HostModelsControl, Intake):
     def __init__(self, config: EngineConfig, model_configs: List[ModelConfig], layout, channel,
                  workers: List[msg.WorkerReady], on_close: Optional[Callable[[bool], None]] = None):
         self.config = config
@@ -69,7 +74,11 @@ class Engine(EngineViews, HostModelsControl):
         self._requests = RequestTable(self._batch_managers, {
             mc.model_id: config.queue_size if mc.queue_size is None else mc.queue_size for mc in model_configs},
             self._telemetry)
+        self._admission = Admission(config, self._requests, self._sched, self._telemetry)
         self._tracker = CommandTracker(self.n_workers, channel)
+        self._keep = KeepAlives(config.keep_alive,
+                                own=lambda k: getattr(self._catalog.configs.get(k), "keep_alive", None))
+        self._requests.on_done = self._keep.done
         self._token_level = TokenLevel(config, self._requests, self._tracker, self._telemetry, self._sched,
                                        self.n_workers, workers[0].device, self._pump_soon.now)
         for m, bm in self._batch_managers.items():
@@ -154,6 +163,12 @@ class Engine(EngineViews, HostModelsControl):
             self._catalog.set_pinned(model_id, pinned)
             self._pump()
 
+    def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:
+        """A request for ``model_id`` gave this keep-alive (``sched/keep_alive.py``: seconds, ``FOREVER``;
+        None: it gave none, the model's own applies): how long the model stays resident once idle."""
+        with self._lock:
+            self._keep.requested(self._key_of(model_id)[0], seconds)
+
     def set_priority(self, model_id: str, priority: int) -> None:
         """A higher priority goes first when models wait for a slot, and is evicted last."""
         with self._lock:
@@ -236,31 +251,6 @@ class Engine(EngineViews, HostModelsControl):
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
-    async def _admit(self, model_id: str, data: Any, fut, loop, stream: Optional[asyncio.Queue] = None) -> int:
-        """Prepare a request for the version its id names now, and queue it there. Should that version be
-        freed meanwhile (replaced and drained), prepare it again for the current one."""
-        while True:
-            with self._lock:
-                self._raise_if_dead()
-                key, adapter = self._adapters.route(model_id) or (self._catalog.key_of(model_id), None)
-            prepared = await self._prepare(key, data)
-            with self._lock:
-                self._raise_if_dead()
-                if self._catalog.accepts(key) and (adapter is None or self._adapters.route(model_id) is not None):
-                    uid = self._requests.add(key, prepared, fut, loop, stream, adapter=adapter)
-                    self._sched.note_arrival(key, time.perf_counter())
-                    self._pump_soon.soon(loop)
-                    return uid
-
-    async def _prepare(self, key: str, data: Any) -> Any:
-        """Validate and prepare a request before it is queued: never under the engine's lock, and on the
-        preparation threads (``preparation.py``) for batch managers that tokenize or decode
-        (``prepare_off_loop``), so neither the loop nor the thread that delivers replies waits for it."""
-        if getattr(self._requests.manager(key), "prepare_off_loop", False):
-            return await asyncio.get_running_loop().run_in_executor(self._preparation, self._requests.prepare,
-                                                                    key, data)
-        return self._requests.prepare(key, data)
-
     def _cancel(self, uid: int) -> None:
         with self._lock:
             req = self._requests.forget(uid)
@@ -287,6 +277,7 @@ class Engine(EngineViews, HostModelsControl):
             self._catalog.reap()
             self._adapters.reap()
             now = time.perf_counter()
+            self._release_expired(now)
             heads = self._heads(now)
             actions = self._sched.decide(heads, self._token_level.live_models(), now, self._token_level.ahead(now))
             if not actions:
@@ -298,6 +289,15 @@ class Engine(EngineViews, HostModelsControl):
                     self._token_level.dispatch_step(a.model_id)
                 else:
                     self._request_level.dispatch(a.model_id)
+
+    def _release_expired(self, now: float) -> None:
+        """Offload the idle resident models whose keep-alive is up. Caller holds the lock."""
+        idle = [k for k in self._sched.resident() if self._sched.states[k] is ModelState.LOADED
+                and not self._requests.busy(k)]
+        for k in self._keep.expired(idle, now):
+            action = self._sched.release(k)
+            if action is not None:
+                self._swaps.send(action, {}, now)
 
     # ---- replies from workers (receiver thread) ------------------------------
     def on_reply(self, reply: Any) -> None:
@@ -345,6 +345,7 @@ class Engine(EngineViews, HostModelsControl):
             if reason is not None:
                 self._die(reason)
                 return False
+            self._release_expired(time.perf_counter())  # keep-alives run out on this timer too
             return True
 
     def on_transport_error(self, exc: BaseException, cause: Optional[str] = None) -> None:

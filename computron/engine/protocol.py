@@ -36,6 +36,15 @@ class ModelSnapshot:
     """Kept in host memory by plan (``Engine.set_host_models``): the last to go to disk, read ahead from it."""
     host_bytes: int = 0
     """Its largest shard: the host memory it takes on the rank it takes the most of."""
+    device_bytes: int = 0
+    """Device bytes per rank it holds while resident (its shard with its KV reserve); 0 when offloaded."""
+    last_used: Optional[float] = None
+    """Wall-clock time its last request was answered (None: none yet)."""
+    keep_alive_s: float = -1.0
+    """How long it stays resident once idle (its latest request's keep_alive, else its own, else the
+    engine's; -1: while memory allows)."""
+    keep_until: Optional[float] = None
+    """Wall-clock time it is offloaded if nothing comes for it: resident, idle, with a keep-alive; else None."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -107,6 +116,13 @@ class EngineClient(Protocol):
         request with ``logprobs`` or ``prompt_logprobs`` yields ``TokenLogprob`` items instead of ints,
         after one ``PromptLogprobs`` first if it asked for ``prompt_logprobs``."""
 
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
+        """Raise the refusal a request for ``model_id`` would get now (``QueueFullError`` with its reason and
+        ``retry_after_s``: a full queue, a predicted time to first token over the limit), counted in
+        ``counters()["rejections"]``; nothing to admit it. ``arriving``: requests the caller let through and
+        has not submitted yet, counted as waiting. The server asks this before any other work on a request.
+        An engine that refuses only when a request reaches it (engine groups) does nothing here."""
+
     def snapshot(self) -> EngineSnapshot:
         """``alive``, ``dead_reason`` and each model's ``ModelSnapshot`` (state, tier, waiting, running,
         last load and offload); a ``ClusterSnapshot`` when the engine is a cluster of groups."""
@@ -131,6 +147,10 @@ class EngineClient(Protocol):
 
     def set_priority(self, model_id: str, priority: int) -> None:
         """Higher goes first for a slot and is evicted last."""
+
+    def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:
+        """A request for ``model_id`` gave this ``keep_alive`` (seconds; -1.0: while memory allows; None: it
+        gave none, so the model's own applies): how long the model stays resident once its requests are done."""
 
     async def shutdown(self) -> None:
         """Stop the engine and its workers (the app does it on exit when it owns the engine)."""

@@ -4,19 +4,22 @@
 tokenizing, image decoding: outside the engine's lock), admits it, bounds each queue, removes a cancelled one, and
 answers one: the future and the stream are resolved on the caller's own loop,
 and the request leaves a ``RequestRecord``. It also gives the scheduler each
-model's oldest waiting request (``heads``).
+model's oldest waiting request (``heads``). A request admitted and still being prepared holds a place in
+its model's queue (``reserve``), so the bound is exact under a burst; each answer feeds the model's
+``ServiceClock`` (seconds per answered request: ``Retry-After``'s and the TTFT prediction's unit).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from collections import deque
-from typing import Any, Deque, Dict, Optional
+from collections import Counter, deque
+from typing import Any, Callable, Deque, Dict, Optional
 
 from ..batching.base import SubmitEntry
 from ..errors import PayloadError, QueueFullError, UnknownModelError
 from ..metrics import RequestRecord
+from ..sched.admission import ServiceClock
 from .sequences import Request
 from .telemetry import Telemetry
 
@@ -30,6 +33,13 @@ class RequestTable:
         """Each model's bound on waiting requests (0: none): the one admission check, engine and server alike."""
         self._telemetry = telemetry
         self._uids = itertools.count()
+        self.preparing: Counter = Counter()
+        """Per model: requests admitted and still being prepared (``reserve``), places of its queue."""
+        self._open: Counter = Counter()
+        """Per model: requests queued or running, not yet answered."""
+        self.service = ServiceClock()
+        self.on_done: Callable[[str, float], None] = lambda model_id, now: None
+        """Told when a request of a model was answered or cancelled (the keep-alive counts from then)."""
 
     def add_model(self, model_id: str, batch_manager: Any, queue_size: int) -> None:
         """A model added while serving (``catalog.py``)."""
@@ -42,6 +52,7 @@ class RequestTable:
         del self._batch_managers[model_id]
         del self.queues[model_id]
         self.queue_sizes.pop(model_id, None)
+        self.service.forget(model_id)
 
     def check_model(self, model_id: Any) -> None:
         if not isinstance(model_id, str) or model_id not in self.queues:
@@ -66,15 +77,31 @@ class RequestTable:
             raise PayloadError(f"model {model_id!r}: malformed request: {exc}", getattr(exc, "param", None),
                                str(exc)) from None
 
+    def waiting(self, model_id: str) -> int:
+        """Requests of ``model_id`` that wait for a batch: queued, or admitted and being prepared."""
+        return len(self.queues[model_id]) + self.preparing[model_id]
+
+    def reserve(self, model_id: str) -> None:
+        """A request for ``model_id`` was admitted and goes to be prepared: it holds a place in the queue
+        until ``release`` (then ``add``, or its preparation failed)."""
+        self.preparing[model_id] += 1
+
+    def release(self, model_id: str) -> None:
+        self.preparing[model_id] -= 1
+        if self.preparing[model_id] <= 0:
+            del self.preparing[model_id]
+
     def add(self, model_id: str, data: Any, fut: asyncio.Future, loop: asyncio.AbstractEventLoop,
             stream: Optional[asyncio.Queue], adapter: Optional[str] = None) -> int:
-        """Queue a prepared request; QueueFullError over the model's ``queue_size``."""
+        """Queue a prepared request; QueueFullError over the model's ``queue_size`` (the engine's admission
+        refuses before: this is the bound itself, for callers that did not reserve)."""
         queue = self.queues[model_id]
         bound = self.queue_sizes.get(model_id, 0)
         if bound and len(queue) >= bound:
             raise QueueFullError(f"model {model_id!r} already has {len(queue)} waiting requests "
                                  f"(queue_size={bound})")
         uid = next(self._uids)
+        self._open[model_id] += 1
         self.requests[uid] = Request(uid, model_id, fut, loop, time.perf_counter(), time.time(), stream=stream,
                                      adapter=adapter)
         queue.append(SubmitEntry(uid, data))
@@ -92,7 +119,18 @@ class RequestTable:
         req = self.requests.pop(uid, None)
         if req is not None:
             self._telemetry.counters["requests"][(req.adapter or req.model_id, "cancelled")] += 1
+            self._closed(req.model_id)
+            self.on_done(req.model_id, time.perf_counter())
         return req
+
+    def _closed(self, model_id: str) -> None:
+        self._open[model_id] -= 1
+        if self._open[model_id] <= 0:
+            del self._open[model_id]
+
+    def busy(self, model_id: str) -> bool:
+        """Whether ``model_id`` has requests queued, running or being prepared."""
+        return bool(self._open.get(model_id) or self.preparing.get(model_id))
 
     def finish(self, uid: int, value: Any = None, error: Optional[BaseException] = None,
                batch_seq: Optional[int] = None) -> None:
@@ -107,6 +145,10 @@ class RequestTable:
             submitted_wall=req.submitted_wall, first_token=first, n_tokens=len(req.tokens),
             preemptions=req.preemptions, adapter=req.adapter))
         self._telemetry.counters["requests"][(req.adapter or req.model_id, "ok" if error is None else "error")] += 1
+        self._closed(req.model_id)
+        self.on_done(req.model_id, now)
+        if error is None:
+            self.service.answered(req.model_id, now, self.busy(req.model_id))
         req.resolve(value, error)
 
     def fail_queue(self, model_id: str, error: BaseException) -> None:

@@ -80,6 +80,8 @@ class Swaps:
         if action.reason is Reason.PREEMPT:
             recompute = self._token_level.preempt(m, target, self._sched.policy, now)
             cause = f"preempted ({self._sched.policy} policy) for {target}"
+        elif action.reason is Reason.KEEP_ALIVE:
+            cause = "idle past its keep_alive"
         else:
             why = "least recently used" if self._sched.eviction == "lru" else "lowest expected reload cost"
             cause = f"evicted ({why}) to make room for {target}"

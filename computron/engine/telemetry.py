@@ -29,7 +29,8 @@ class Telemetry:
         self._events: Deque[dict] = deque(maxlen=EVENT_HISTORY)
         self._event_ids = itertools.count(1)
         self.counters: Dict[str, Counter] = {k: Counter() for k in (
-            "swaps", "swap_seconds", "swap_bytes", "preemptions", "steps", "tokens", "requests", "late_heartbeats")}
+            "swaps", "swap_seconds", "swap_bytes", "preemptions", "steps", "tokens", "requests", "late_heartbeats",
+            "rejections")}
         self.last_swap: Dict[str, Dict[str, dict]] = defaultdict(dict)
         self.kv_bytes: Dict[str, int] = {}
         """Each model's KV cache bytes on the output rank after its last step."""

@@ -42,6 +42,8 @@ class Reason(enum.Enum):
     """OFFLOAD queued behind the model's last batch (prefetch): its queue is empty."""
     PREEMPT = "preempt"
     """OFFLOAD of a model with live sequences whose turn is over under the policy: they pause."""
+    KEEP_ALIVE = "keep_alive"
+    """OFFLOAD of an idle model whose keep-alive is up (``keep_alive.py``)."""
 
 
 @dataclass(frozen=True)

@@ -1,40 +1,35 @@
 """Which model runs next and which one leaves: pure policy, no torch, no processes.
 
-The engine tells the scheduler what happened (``on_loaded``, ``on_offloaded``,
-``on_batch_done``, ``on_load_failed``) and asks it what to do next with
-``decide(heads)``, where ``heads`` maps each model that has waiting requests to
-the arrival time of its oldest one. ``decide`` returns actions in the order
-they must be sent to the workers; the workers execute commands in that order,
-which is what makes queuing an offload behind a running batch safe.
+The engine tells the scheduler what happened (``on_loaded``, ``on_offloaded``, ``on_batch_done``,
+``on_load_failed``) and asks it what to do next with ``decide(heads)``, where ``heads`` maps each model that
+has waiting requests to the arrival time of its oldest one. ``decide`` returns actions in the order they
+must be sent to the workers; the workers execute commands in that order, which is what makes queuing an
+offload behind a running batch safe.
 
 Rules:
 - models are visited oldest head first; a model mid-transition is skipped;
 - a resident model gets a batch if it has fewer than ``max_inflight`` in flight, one more if
   ``ahead`` and alone with work (only one once an older model is waiting for a slot, so it drains);
-- a model that is not resident is loaded into a free slot, or into the slot of
-  a resident model that has nothing in flight (the first in eviction order); a
-  model with batches in flight is never offloaded;
-- with ``prefetch``, when every resident model is busy, the first in eviction
-  order whose queue is empty gets its offload queued right behind its last
-  batch and the waiting model's load right behind that, saving a round trip;
-- with ``overlap``, a batch may be sent to a model that is still loading
-  (the worker starts each layer once its weights have arrived), but only
-  while no other model is resident: workers run batches in command order, so
-  such a batch would hold up other models' batches until the load ends;
-- a model fits when the resident count stays within ``max_loaded`` (None: no
-  count cap) and, with a ``device_budget``, the resident models' ``sizes``
-  (bytes per rank, KV reserve included) stay within it; idle victims are evicted
-  until the waiting model fits, in the order of the ``eviction`` policy
-  (``eviction.py``: least recently used, or lowest expected reload cost); ``pinned`` models
-  are never evicted; a higher ``priority`` is visited first and evicted last, whatever the policy;
+- a model that is not resident is loaded into a free slot, or into the slot of a resident model that has
+  nothing in flight (the first in eviction order); a model with batches in flight is never offloaded;
+- with ``prefetch``, when every resident model is busy, the first in eviction order whose queue is empty
+  gets its offload queued right behind its last batch and the waiting model's load right behind that;
+- with ``overlap``, a batch may be sent to a model still loading (the worker starts each layer once its
+  weights arrived), only while no other model is resident (workers run commands in order);
+- a model fits when the resident count stays within ``max_loaded`` (None: no count cap) and, with a
+  ``device_budget``, the resident models' ``sizes`` (bytes per rank, KV reserve included) stay within it;
+  idle victims are evicted until the waiting model fits, in the order of the ``eviction`` policy
+  (``eviction.py``: least recently used, or lowest expected reload cost); ``pinned`` models are never
+  evicted; a higher ``priority`` is visited first and evicted last, whatever the policy;
 - a model that has just loaded is not evicted before its first batch;
-- token-level generation (``running``: models with live sequences): such a model is never
-  evicted by the rules above, only preempted under the policy (``policies.py``: when, and which
-  model goes first). Preemption queues the victim's offload behind its step in flight and the
-  waiting model's load right behind that; its sequences pause, and resume once it is back.
+- token-level generation (``running``: models with live sequences): such a model is never evicted by the
+  rules above, only preempted under the policy (``policies.py``: when, and which model goes first).
+  Preemption queues the victim's offload behind its step in flight and the waiting model's load right
+  behind that; its sequences pause, and resume once it is back.
 
 Models come and go while serving (``add_model``, ``remove_model``, ``set_pinned``, ``set_priority``);
-``note_arrival`` and ``record_load`` feed the eviction policy's estimates.
+``note_arrival`` and ``record_load`` feed the eviction policy's estimates; ``release`` offloads an idle
+model whose keep-alive is up.
 """
 from __future__ import annotations
 
@@ -70,13 +65,8 @@ class Scheduler:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: must be one of {POLICIES}")
         self.rules = POLICY_RULES[Policy(policy)](quantum_s, ttft_slo_s)
-        self.max_loaded = max_loaded
-        self.prefetch = prefetch
-        self.overlap = overlap
-        self.max_inflight = max_inflight
-        self.policy = Policy(policy).value
-        self.quantum_s = quantum_s
-        self.ttft_slo_s = ttft_slo_s
+        self.max_loaded, self.prefetch, self.overlap, self.max_inflight = max_loaded, prefetch, overlap, max_inflight
+        self.policy, self.quantum_s, self.ttft_slo_s = Policy(policy).value, quantum_s, ttft_slo_s
         self.sizes = {m: int((sizes or {}).get(m, 0)) for m in self.model_ids}
         self.device_budget = device_budget
         self.pinned: Set[str] = set(pinned)
@@ -94,10 +84,8 @@ class Scheduler:
         for m in self.model_ids:
             self._eviction.add(m)
         self._now: Optional[float] = None  # the latest caller's clock seen (decide, arrivals): for the eviction
-        # victim -> model whose load waits for the victim's slot
-        self._slot_promised: Dict[str, str] = {}
-        # models whose OFFLOAD is already queued behind their in-flight batches
-        self._offload_queued: set = set()
+        self._slot_promised: Dict[str, str] = {}  # victim -> model whose load waits for the victim's slot
+        self._offload_queued: set = set()  # models whose OFFLOAD is already queued behind their batches
         self._turn_start: Dict[str, float] = {}
         """When each resident model's turn began (its first batch after loading), on the caller's clock."""
         self._turn_runs: Dict[str, int] = {}
@@ -317,6 +305,17 @@ class Scheduler:
         self.inflight[m] -= 1
         if self.inflight[m] == 0 and m in self._offload_queued:
             self.states[m] = ModelState.OFFLOADING
+
+    def release(self, m: str) -> Optional[Action]:
+        """The OFFLOAD of ``m``, idle with its keep-alive up; None unless it is loaded with nothing in flight,
+        no offload queued or slot promised, and not pinned."""
+        self._known(m)
+        if (self.states[m] is not ModelState.LOADED or self.inflight[m] or m in self._offload_queued
+                or m in self.pinned or m in self._slot_promised):
+            return None
+        self.states[m] = ModelState.OFFLOADING
+        self._eviction.evicted(m)
+        return Action(ActionKind.OFFLOAD, m, Reason.KEEP_ALIVE)
 
     def can_accept_batches(self, m: str) -> bool:
         self._known(m)

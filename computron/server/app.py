@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.protocol import EngineClient
 from ..errors import ComputronError
-from . import status
+from . import ps, status
 from .building import BuiltModel, ServedModel
 from .building import UnderstandingModel
 from .config import ServerSettings
@@ -85,7 +85,7 @@ def create_app(engine: EngineClient, texts: Optional[Dict[str, ModelText]] = Non
     app = FastAPI(title="computron", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.computron = state
     for router in (openai_routes.router, responses_routes.router, tokenize_routes.router, lora_routes.router,
-                   status.router, v2_routes.router, v2_repository.router):
+                   status.router, ps.router, v2_routes.router, v2_repository.router):
         app.include_router(router)
     _install_error_handlers(app)
     return app

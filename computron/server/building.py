@@ -30,7 +30,7 @@ from .text import ModelText
 DEFAULT_MAX_BATCH_SIZE = 8
 """An encoder's batch size when neither its entry nor the engine config sets one (EngineConfig's default)."""
 
-_REBUILD_FIELDS = ("path", "dtype", "max_batch_size", "queue_size", "task", "base", "adapter")
+_REBUILD_FIELDS = ("path", "dtype", "max_batch_size", "queue_size", "task", "base", "adapter", "keep_alive")
 """The fields of an entry that only a new build can change (``pinned`` and ``priority`` are set in place)."""
 
 
@@ -162,7 +162,8 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
     kwargs: Dict[str, Any] = {"path": entry.path}
     if entry.dtype is not None:
         kwargs["dtype"] = entry.dtype
-    common = dict(checkpoint=entry.path, queue_size=entry.queue_size, pinned=entry.pinned, priority=entry.priority)
+    common = dict(checkpoint=entry.path, queue_size=entry.queue_size, pinned=entry.pinned, priority=entry.priority,
+                  keep_alive=entry.keep_alive)
     if entry.kind not in (None, ModelKind.GENERATION):
         und = _understanding_model(entry, hf, default_max_batch_size, where)
         config = ModelConfig(entry.id, load_encoder, kwargs, batch_manager=und.batch_manager, **common)

@@ -37,6 +37,7 @@ from typing import List, Optional
 
 from ..preflight import PreflightError, reserve_port
 from .config import (DTYPES, ConfigError, ServeConfig, from_mapping, load_file, model_entries_from_paths)
+from .ps_cli import add_ps_parser, ps_main
 from .serving import config_error, prepare, serve, serve_cluster
 
 log = logging.getLogger("computron.server")
@@ -63,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int, help="pipeline-parallel degree (default 1)")
     s.add_argument("--max-loaded", type=int, help="models resident on the devices at once (default 1)")
     s.add_argument("--max-batch-size", type=int, help="sequences batched per model (default 8)")
-    s.add_argument("--queue-size", type=int, help="waiting requests per model before 429 (default unbounded)")
+    s.add_argument("--queue-size", type=int, help="waiting requests per model before 429 (default 512; 0: unbounded)")
+    s.add_argument("--keep-alive", dest="keep_alive", metavar="DURATION", help="how long an idle model stays "
+                   "resident: '5m', '30s', seconds, 0 (offload once done), -1 (while memory allows: the default)")
     s.add_argument("--dtype", choices=DTYPES, help="dtype of every model given on the command line")
     s.add_argument("--task", action="append", dest="tasks", metavar="ID=TASK",
                    help="an encoder's task: embedding or classification (repeatable; default: classification "
@@ -91,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repository-poll", type=float, dest="repository_poll_s", metavar="S",
                    help="rescan --model-repository every S seconds: new directories become servable, models whose "
                    "directory disappeared are unloaded")
+    add_ps_parser(sub)
     return p
 
 
@@ -117,7 +121,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     server = raw.setdefault("server", {}) if isinstance(raw.get("server", {}), dict) else raw["server"]
     if isinstance(engine, dict):
         for flag, key in (("tp", "tp"), ("pp", "pp"), ("max_loaded", "max_loaded"),
-                          ("max_batch_size", "max_batch_size"), ("queue_size", "queue_size")):
+                          ("max_batch_size", "max_batch_size"), ("queue_size", "queue_size"),
+                          ("keep_alive", "keep_alive")):
             if getattr(args, flag) is not None:
                 engine[key] = getattr(args, flag)
     if isinstance(server, dict):
@@ -130,6 +135,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "ps":
+        return ps_main(args)
     level = getattr(logging, (args.log_level or "info").upper())
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("computron").setLevel(level)

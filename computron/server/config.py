@@ -13,6 +13,7 @@ A config file::
         strict_fields: false     # optional: this model's requests with unknown fields answer 400
         pinned: false            # optional: never evicted once loaded
         priority: 0              # optional: higher goes first for a slot and is evicted last
+        keep_alive: 5m           # optional: resident once idle for 5m | 30s | 0 (offload when done) | -1 (ever)
       - id: embed                # an encoder (bert, roberta, xlm-roberta) or ViT checkpoint is served over
         path: ckpt/bert-base     # the v2 protocol (/v2/models/embed/infer), embeddings also at /v1/embeddings
         task: embedding          # optional: embedding | classification (default: classification when the

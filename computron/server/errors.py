@@ -73,17 +73,22 @@ class ErrorKind:
     param: Optional[str] = None
     """The request field at fault, when it is always the same one."""
     retry_after: bool = False
-    """Answer ``Retry-After: 1`` (the client may try again at once)."""
+    """Answer ``Retry-After``: the error's ``retry_after_s`` (whole seconds, the expected wait), else 1."""
+    code_from_reason: bool = False
+    """The OpenAI ``code`` is the error's ``reason`` (a refusal's: ``queue_full``, ``ttft_late``)."""
 
-    def headers(self) -> Dict[str, str]:
-        return {"Retry-After": "1"} if self.retry_after else {}
+    def headers(self, exc: Optional[BaseException] = None) -> Dict[str, str]:
+        return {"Retry-After": str(getattr(exc, "retry_after_s", 1))} if self.retry_after else {}
+
+    def code_of(self, exc: BaseException) -> str:
+        return getattr(exc, "reason", self.code) if self.code_from_reason else self.code
 
 
 ERROR_TABLE: Tuple[Tuple[type, ErrorKind], ...] = (
     (UnknownModelError, ErrorKind(404, "invalid_request_error", "model_not_found", param="model")),
     (ChatTemplateError, ErrorKind(400, "invalid_request_error", "chat_template_missing", param="messages")),
     (PayloadError, ErrorKind(400, "invalid_request_error", "invalid_payload")),
-    (QueueFullError, ErrorKind(429, "rate_limit_error", "queue_full", retry_after=True)),
+    (QueueFullError, ErrorKind(429, "rate_limit_error", "queue_full", retry_after=True, code_from_reason=True)),
     (RequestTimeoutError, ErrorKind(504, "timeout_error", "request_timeout")),
     (EngineDeadError, ErrorKind(503, "service_unavailable", "engine_dead")),
     (WorkerError, ErrorKind(500, "server_error", "worker_error")),
@@ -121,7 +126,7 @@ def to_openai(exc: BaseException, params: Optional[Dict[str, str]] = None) -> AP
     if isinstance(exc, PayloadError):
         reason = exc.reason if exc.row is None else f"input[{exc.row}]: {exc.reason}"
         return APIError(kind.status, reason, kind.type, (params or {}).get(exc.param, exc.param), kind.code)
-    return APIError(kind.status, str(exc), kind.type, kind.param, kind.code, kind.headers())
+    return APIError(kind.status, str(exc), kind.type, kind.param, kind.code_of(exc), kind.headers(exc))
 
 
 def to_v2(exc: BaseException) -> V2Error:
@@ -133,7 +138,7 @@ def to_v2(exc: BaseException) -> V2Error:
         err = exc if isinstance(exc, APIError) else _internal(exc)
         return V2Error(err.status, err.message, err.headers)
     message = payload_message(exc, exc.row) if isinstance(exc, PayloadError) else str(exc)
-    return V2Error(kind.status, message, kind.headers())
+    return V2Error(kind.status, message, kind.headers(exc))
 
 
 def payload_message(exc: BaseException, row: Optional[int] = None, name: Optional[str] = None) -> str:

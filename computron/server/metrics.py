@@ -4,7 +4,8 @@ Request metrics are observed by the routes through ``ServerMetrics``' methods: o
 counts, time to first token and per output token for every answered completion, streamed or not
 (the routes take tokens as the engine makes them), end-to-end latency. Engine state (queue depth,
 running sequences, each model's ``Residency``) and the engine's cumulative counters (swaps, swap
-seconds and bytes, preemptions, steps) are read from ``engine.snapshot()`` and ``engine.counters()``
+seconds and bytes, preemptions, steps, requests refused before any work by reason:
+``computron_rejections_total{model,reason}``) are read from ``engine.snapshot()`` and ``engine.counters()``
 at scrape time, so they cannot drift from the engine's own.
 
 A LoRA adapter has its own request, token, latency, queue and running series; its residency gauges are
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.protocol import ClusterSnapshot
+from ..sched.admission import REASONS as REFUSAL_REASONS
 from .residency import Residency
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -152,6 +154,14 @@ class _EngineCollector:
         for m, v in sorted({**dict.fromkeys(models, 0), **c.get("steps", {})}.items()):
             steps.add_metric([m], v)
         yield steps
+        rejected = CounterMetricFamily("computron_rejections", "Requests refused before any work on them, by "
+                                       "model and reason (queue_full, ttft_late): answered 429 with Retry-After",
+                                       labels=["model", "reason"])
+        counts = {(m, r): 0 for m in snap.models for r in REFUSAL_REASONS}
+        counts.update(c.get("rejections", {}))
+        for (m, r), v in sorted(counts.items()):
+            rejected.add_metric([m, r], v)
+        yield rejected
         late = CounterMetricFamily("computron_late_heartbeats", "Times a worker's heartbeats were late while its "
                                    "process ran or waited for a CPU (a busy machine), by rank", labels=["rank"])
         for r, v in sorted(c.get("late_heartbeats", {}).items()):

@@ -17,6 +17,7 @@ from typing import Any, Container, Dict, List, Optional
 
 from ..errors import GGUFError, HubError
 from ..loading import DTYPES, has_tokenizer
+from ..sched.keep_alive import KeepAliveError, parse_keep_alive
 from .model_kind import ModelKind
 
 TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "llama3")
@@ -52,6 +53,9 @@ class ModelEntry:
     """Never evict this model once it is loaded (``ModelConfig.pinned``)."""
     priority: int = 0
     """Higher goes first when models wait for a slot, and is evicted last (``ModelConfig.priority``)."""
+    keep_alive: Any = None
+    """How long it stays resident once idle: '5m', '30s', seconds, 0, -1 (``ModelConfig.keep_alive``); None:
+    the engine's. Read into seconds by validation."""
     base: Optional[str] = None
     """A LoRA adapter's: the id of the served causal LM whose weights and tokenizer it runs on."""
     adapter: Optional[str] = None
@@ -187,6 +191,11 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     if not isinstance(entry.pinned, bool):
         raise ConfigError(f"{where}.pinned={entry.pinned!r}: must be true or false")
     _check_type(f"{where}.priority", entry.priority, int)
+    if entry.keep_alive is not None:
+        try:
+            entry.keep_alive = parse_keep_alive(entry.keep_alive, f"{where}.keep_alive")
+        except KeepAliveError as exc:
+            raise ConfigError(str(exc)) from None
     if entry.tool_call_parser is not None and entry.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"{where}.tool_call_parser={entry.tool_call_parser!r}: must be one of "
                           f"{', '.join(TOOL_CALL_PARSERS)}")

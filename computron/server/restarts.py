@@ -180,6 +180,10 @@ class RestartingEngine:
                 log.info("stream of model %r sent again to the restarted engine (%d tokens to check)", model_id,
                          len(sent))
 
+    def check_admission(self, model_id: str, arriving: int = 0) -> None:
+        if self._engine.is_alive:  # a dead engine's requests wait for the restarted one
+            self._engine.check_admission(model_id, arriving)
+
     # ---- EngineClient: state --------------------------------------------------
     @property
     def is_alive(self) -> bool:
@@ -228,6 +232,10 @@ class RestartingEngine:
     def set_priority(self, model_id: str, priority: int) -> None:
         self._engine.set_priority(model_id, priority)
         self._priority[model_id] = priority
+
+    def note_keep_alive(self, model_id: str, seconds: Optional[float]) -> None:
+        if self._engine.is_alive:
+            self._engine.note_keep_alive(model_id, seconds)
 
     async def shutdown(self) -> None:
         self._closing = True

@@ -11,8 +11,9 @@ through the ``served_state`` dependency. It holds:
   inference routes take their model from ``resolve``, which waits for such a load;
 - the engine (an ``EngineClient``), the settings, the Prometheus metrics, and ``draining`` (set on
   SIGTERM/SIGINT and at shutdown);
-- the checks every inference request passes before it reaches the engine: ``check_serving`` (not
-  draining, engine alive) and ``admit`` (those, then the model's queue).
+- the checks every inference request passes before it reaches the engine: ``refuse_early`` (right after
+  its model id is read, before any other work: a full queue or a predicted-late request is refused at
+  once, 429 with ``Retry-After``), ``check_serving`` (not draining, engine alive) and ``admit``.
 
 ``api_key(endpoint)`` is the FastAPI dependency of the routes that need a key; ``Call`` counts one
 inference request in ``computron_requests`` and logs it at debug level, once, however it ends.
@@ -24,6 +25,7 @@ import hmac
 import logging
 import os
 import time
+from collections import Counter
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Union
 
 from fastapi import Request
@@ -78,6 +80,8 @@ class ServerState:
         self.draining = False
         self.started = time.time()
         self._keys = [k.encode() for k in settings.api_keys]
+        self._arriving: Counter = Counter()
+        """Per model: requests past ``refuse_early`` that have not reached the engine yet."""
 
     @property
     def models(self) -> Dict[str, ServedModel]:
@@ -127,6 +131,19 @@ class ServerState:
             raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
         if not self.engine.is_alive:
             raise EngineDeadError(self.engine.dead_reason or "engine is dead")
+
+    def refuse_early(self, call: "Call", model_id: Any) -> None:
+        """Right after a request's model id is read: 503 while draining or dead, and the engine's refusal
+        (``QueueFullError``: 429 with ``Retry-After``) when the model's queue is full or the request would
+        be late, before the body is parsed further or its prompt tokenized. The requests this check let
+        through that have not reached the engine yet (``call.arrived``) count as waiting: under a burst the
+        routes of many requests pass here before the first of them queues. Nothing for an id not served
+        (yet): the request's own checks answer it."""
+        if isinstance(model_id, str) and model_id in self.models:
+            self.check_serving()
+            self.engine.check_admission(model_id, self._arriving[model_id])
+            self._arriving[model_id] += 1
+            call.arrival = (self._arriving, model_id)
 
     def admit(self, model: ServedModel) -> None:
         """``check_serving``. (A full queue is the engine's to refuse: ``ModelConfig.queue_size`` carries
@@ -191,24 +208,40 @@ class Call:
         self.label = UNKNOWN
         """The request's model once it is known to be served (metrics labels stay bounded)."""
         self.t0 = time.perf_counter()
+        self.arrival = None
+        """(``ServerState._arriving``, model id) from ``refuse_early`` until the request reaches the engine."""
+
+    def arrived(self) -> None:
+        """The request reached the engine (or ended before): it no longer counts as arriving. Idempotent."""
+        if self.arrival is not None:
+            counts, model_id = self.arrival
+            self.arrival = None
+            counts[model_id] -= 1
+            if counts[model_id] <= 0:
+                del counts[model_id]
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
     def gone(self) -> Response:
         """The client went away: 499."""
+        self.arrived()
         self.metrics.request_done(self.label, self.endpoint, 499)
         log.debug("%s %s: client disconnected after %.1f ms", self.endpoint, self.label, self.elapsed() * 1e3)
         return Response(status_code=499)
 
     def failed(self, err: Union[APIError, V2Error]) -> Response:
+        self.arrived()
         self.metrics.request_done(self.label, self.endpoint, err.status)
+        if err.status == 429:  # the master's time on a refusal, for clients and benchmarks to see
+            err.headers = {**err.headers, "Server-Timing": f"admission;dur={self.elapsed() * 1e3:.3f}"}
         log.debug("%s %s: %d %s (%.1f ms)", self.endpoint, self.label, err.status, err.message,
                   self.elapsed() * 1e3)
         return error_response(err)
 
     def answered(self, what: str) -> float:
         """Count a 200 and log ``what`` was answered; returns the seconds since arrival."""
+        self.arrived()
         e2e = self.elapsed()
         self.metrics.request_done(self.label, self.endpoint, 200)
         log.debug("%s %s: 200, %s, %.1f ms", self.endpoint, self.label, what, e2e * 1e3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional
 
+from ...sched.keep_alive import KeepAliveError, parse_keep_alive
 from ..errors import bad
 
 
@@ -70,3 +71,14 @@ def is_int(v: Any) -> bool:
 def token_ids(v: Any) -> bool:
     """Whether ``v`` is a non-empty list of token ids."""
     return isinstance(v, list) and bool(v) and all(is_int(t) for t in v)
+
+
+def keep_alive_of(body: Dict[str, Any]) -> Optional[float]:
+    """The request's ``keep_alive`` (Ollama's: how long its model stays resident after it) in seconds, -1.0 for
+    as long as memory allows; None when it gives none. 400 naming the field for anything else."""
+    if body.get("keep_alive") is None:
+        return None
+    try:
+        return parse_keep_alive(body["keep_alive"])
+    except KeepAliveError as exc:
+        raise bad("keep_alive", str(exc)) from None

@@ -32,7 +32,7 @@ _QUIET = {"user", "metadata", "service_tier", "store", "prompt_cache_key", "safe
 """Fields that mean nothing here: accepted and ignored without a log line."""
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-           "ignore_eos", "stop_token_ids", "logprobs", "response_format"} | _QUIET
+           "ignore_eos", "stop_token_ids", "logprobs", "response_format", "keep_alive"} | _QUIET
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "chat_template_kwargs"}

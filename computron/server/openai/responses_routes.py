@@ -40,6 +40,7 @@ async def responses(request: Request, state: ServerState = Depends(served_state)
     call, body = Call(state, "responses"), None
     try:
         body = await read_json(request)
+        state.refuse_early(call, body.get("model") if isinstance(body, dict) else None)
         p, messages, tools = parse_responses(body)
         served = await generator_model(state, request, p.model)
         call.label = served.id
@@ -68,3 +69,5 @@ async def responses(request: Request, state: ServerState = Depends(served_state)
                 isinstance(body.get("text"), dict) and body["text"].get("format")):
             names["grammar"] = "tool_choice"
         return call.failed(to_openai(exc, names))
+    finally:
+        call.arrived()

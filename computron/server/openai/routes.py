@@ -32,7 +32,7 @@ from .answer import Answer
 from .chat import ChatTools, chat_messages, parse_tools, template_kwargs
 from .choices import ChoiceRun
 from .embeddings import EMBEDDING_FIELDS, embedding_data, parse_embeddings
-from .fields import model_field
+from .fields import keep_alive_of, model_field
 from .model_info import UNLOADED, model_object, strict_fields, tool_parser
 from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, CompletionParams, choice_requests, engine_field_names,
                        engine_request, parse_chat, parse_completion, prompt_ids, prompts, usage)
@@ -118,6 +118,7 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
         model_id = body.get("model") if isinstance(body, dict) else None
         if state.kind_of(model_id) is ModelKind.GENERATION:
             call.label = model_id  # the label of this request's metrics, whatever else is wrong with it
+            state.refuse_early(call, model_id)
         max_n = state.settings.max_n
         p = parse_chat(body, max_n) if chat else parse_completion(body, max_n)
         served = await generator_model(state, request, p.model)
@@ -136,6 +137,7 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
             all_ids = [prompt_ids(served.text, x) for x in given]
             echoes = [(x if isinstance(x, str) else served.text.decode(x)) if p.echo else None for x in given]
         state.admit(served)
+        state.engine.note_keep_alive(served.id, keep_alive_of(body))
         runs = runs_of(p, served, all_ids, state.settings.default_max_tokens if chat else 16, echoes)
         answer = Answer(p.model, chat, served.text.token_str, tools, tool_parser(state, served) if chat else None)
         gen = Generation(state, request, call, served.id, runs)
@@ -151,6 +153,8 @@ async def _complete(request: Request, state: ServerState, endpoint: str, chat: b
         return call.gone()
     except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
         return call.failed(to_openai(exc, engine_field_names(body, chat)))
+    finally:
+        call.arrived()  # however it ended (a cancelled task too), it no longer counts as arriving
 
 
 @router.post("/v1/completions", dependencies=[Depends(api_key("completions"))])
@@ -182,6 +186,7 @@ async def embeddings(request: Request, state: ServerState = Depends(served_state
     try:
         body = await read_json(request)
         model_id = model_field(body)
+        state.refuse_early(call, model_id)
         m = await state.resolve(request, model_id)
         if m.kind is ModelKind.GENERATION:
             raise bad("model", f"model {model_id!r} is a text-generation model and serves no embeddings")
@@ -192,11 +197,14 @@ async def embeddings(request: Request, state: ServerState = Depends(served_state
         state.fields.unknown(body, EMBEDDING_FIELDS, "embeddings", strict_fields(state, m))
         rows, fmt = parse_embeddings(m.understanding, body)
         state.admit(m)
+        call.arrived()  # its rows reach the engine as the next thing this loop runs
         answers = await state.submit_rows(request, model_id, rows)
     except ClientGone:
         return call.gone()
     except Exception as exc:  # noqa: BLE001 - every failure answers in OpenAI's shape
         return call.failed(to_openai(exc, {"input_ids": "input", "text": "input", None: "input"}))
+    finally:
+        call.arrived()
     n = sum(a["tokens"] for a in answers)
     e2e = call.answered(f"{len(rows)} inputs")
     state.metrics.prompt_tokens(model_id, n)

@@ -32,6 +32,7 @@ class Generation:
         self._tasks: List[asyncio.Task] = []
 
     async def _pump(self, run: ChoiceRun, first: asyncio.Event) -> None:
+        self.call.arrived()  # the engine holds its place from the stream's first step on: no await between
         it = self.state.engine.stream(self.model_id, run.data, timeout=self.state.settings.request_timeout_s)
         try:
             async for item in it:

@@ -94,6 +94,7 @@ async def infer(name: str, request: Request, version: Optional[str] = None,
     call = Call(state, "v2_infer")
     try:
         body = await read_json(request)
+        state.refuse_early(call, name)
         if name not in state.models and state.registry.can_load(name):
             await state.resolve(request, name)  # a repository model's first request: load it
         served = _v2_model(state, name)
@@ -102,10 +103,13 @@ async def infer(name: str, request: Request, version: Optional[str] = None,
         m = served.understanding
         rows, want, rid = parse_infer(m, body)
         state.admit(served)
+        call.arrived()  # its rows reach the engine as the next thing this loop runs
         out = encode_outputs(m, await state.submit_rows(request, name, rows), want, rid)
     except ClientGone:
         return call.gone()
     except Exception as exc:  # noqa: BLE001 - every failure answers in the v2 shape
         return call.failed(to_v2(exc))
+    finally:
+        call.arrived()
     state.metrics.observe_e2e(name, call.answered(f"{len(rows)} rows"))
     return json_response(out)
