@@ -1,65 +1,138 @@
-"""A worker's watchdog on its master (``worker.master_watch``), on a clock and processes of the test's own."""
-import pytest
+"""A worker's watchdog on its master (``worker.master_watch``): the policy on a clock of the test's own, the
+thread on a fake clock too (a condition it waits on is woken by the test, never by time passing)."""
+import queue
 
 from computron.comm import process_probe
 from computron.comm.process_probe import ProcessSample
-from computron.worker import master_watch
-from computron.worker.master_watch import MasterWatch
+from computron.config import EngineConfig
+from computron.worker.master_watch import MasterSilence, MasterWatch
+
+RUNNING = ProcessSample(process_probe.RUNNING, 5, 5, runnable=True)
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    now = [1000.0]
-    monkeypatch.setattr(master_watch, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
-    return now
-
-
-def watch(master_pid=None, looks=()):
-    gone = []
+def silence(master_pid=None, looks=()):
     looks = list(looks)
-    w = MasterWatch(3, timeout_s=10.0, late_limit_s=30.0, interval_s=0.5, master_pid=master_pid,
-                    probe=lambda pid: looks.pop(0), on_gone=lambda rank, why: gone.append((rank, why)))
-    return w, gone
+    return MasterSilence(timeout_s=20.0, late_limit_s=60.0, now=1000.0, master_pid=master_pid,
+                         probe=lambda pid: looks.pop(0))
 
 
-def test_a_silent_master_is_gone_after_the_timeout_while_waiting_only(clock):
-    w, _ = watch()
-    assert w.verdict(1050.0) is None  # executing a command: the master is not expected to speak
-    w.waiting()
-    for t in (1004.0, 1008.0):
-        assert w.verdict(t) is None
-    w.heard()  # a keepalive
-    clock[0] = 1009.0
-    w.waiting()
-    assert w.verdict(1013.0) is None and w.verdict(1017.0) is None
-    assert w.verdict(1019.5) == ("nothing from it, not even a keepalive, for 10.5s while waiting for a command "
-                                 "(EngineConfig.master_timeout_s=10.0)")
+def test_the_deadline_moves_with_every_contact_and_passes_after_the_timeout():
+    s = silence()
+    assert s.first_due() == 1020.0
+    s.heard(1007.0)  # a heartbeat the master took, in the middle of a long command
+    assert s.check(1020.0, 1020.0) == (None, 1027.0)
+    s.heard(1026.0)
+    s.heard(1003.0)  # a contact reported late never moves the deadline back
+    assert s.check(1027.0, 1027.0) == (None, 1046.0)
+    why, _ = s.check(1046.3, 1046.0)
+    assert why == ("nothing heard from it for 20.3s: no command, no keepalive, no heartbeat taken "
+                   "(EngineConfig.master_timeout_s=20)")
 
 
-def test_this_workers_own_stall_is_not_the_masters_silence(clock):
-    w, _ = watch()
-    w.waiting()
-    assert w.verdict(1004.0) is None
-    assert w.verdict(1012.0) is None  # woke 8s late: this process had no CPU
-    assert w.verdict(1016.0) is None
-    assert "for 10.5s" in w.verdict(1018.0)
+def test_this_workers_own_stall_is_not_the_masters_silence():
+    s = silence()
+    # due at 1020 but run at 1035 (this process had no CPU): the master gets half the timeout to be heard from
+    assert s.check(1035.0, 1020.0) == (None, 1045.0)
+    assert s.check(1045.0, 1045.0)[0].startswith("nothing heard from it for 20.0s")
+    s = silence()
+    assert s.check(1029.0, 1020.0)[0] is not None  # 9 s late is within half the timeout: counted
 
 
-def test_a_local_master_that_runs_is_late_and_a_stopped_one_gone(clock):
-    running = ProcessSample(process_probe.RUNNING, 5, 5, runnable=True)
-    w, _ = watch(master_pid=42, looks=[running] * 10)
-    w.waiting()
-    for t in (1006.0, 1011.0, 1015.0, 1019.0, 1023.0, 1027.0, 1030.0):
-        assert w.verdict(t) is None  # late: waits up to heartbeat_late_limit_s
-    assert w.verdict(1031.0).endswith("(EngineConfig.master_timeout_s=10.0); its process runs")
-    w, _ = watch(master_pid=42, looks=[running, ProcessSample(process_probe.STOPPED, 5, 5)])
-    w.waiting()
-    assert w.verdict(1006.0) is None
-    assert w.verdict(1011.0).endswith("(EngineConfig.master_timeout_s=10.0); its process stopped")
+def test_a_local_master_that_runs_is_late_and_a_stopped_one_gone():
+    s = silence(master_pid=42, looks=[RUNNING] * 20)
+    assert s.first_due() == 1010.0  # a first look at half the timeout
+    due = 1010.0
+    why, due = s.check(due, due)
+    assert (why, due) == (None, 1020.0)
+    seen = []
+    while due <= 1060.0:  # late: given up to heartbeat_late_limit_s, looked at every quarter timeout
+        why, due = s.check(due, due)
+        seen.append(due)
+        if why is not None:
+            break
+    assert why is None and seen == [1025.0, 1030.0, 1035.0, 1040.0, 1045.0, 1050.0, 1055.0, 1060.0, 1065.0]
+    why, _ = s.check(1065.0, 1065.0)
+    assert why.endswith("(EngineConfig.master_timeout_s=20); its process runs") and "for 65.0s" in why
+    s = silence(master_pid=42, looks=[RUNNING, ProcessSample(process_probe.STOPPED, 5, 5)])
+    assert s.check(1010.0, 1010.0) == (None, 1020.0)
+    assert s.check(1020.0, 1020.0)[0].endswith("; its process stopped")
+
+
+def test_a_late_master_heard_again_is_forgiven():
+    s = silence(master_pid=42, looks=[RUNNING] * 3)
+    s.check(1010.0, 1010.0)
+    assert s.check(1020.0, 1020.0) == (None, 1025.0)
+    s.heard(1024.0)
+    assert s.check(1025.0, 1025.0) == (None, 1034.0)  # a first look again at half the timeout
+
+
+def test_the_default_timeout_is_twice_the_heartbeat_timeout():
+    assert EngineConfig(heartbeat_timeout_s=7.0).resolved_master_timeout_s() == 14.0
+    assert EngineConfig(heartbeat_timeout_s=7.0, master_timeout_s=3.0).resolved_master_timeout_s() == 3.0
+
+
+class FakeClock:
+    """Time the test moves (``to``), waking the watch's condition so that it looks at the new time."""
+
+    def __init__(self):
+        self.now = 1000.0
+        self.watch = None
+
+    def __call__(self):
+        return self.now
+
+    def to(self, t):
+        with self.watch._cond:
+            self.now = t
+            self.watch._cond.notify_all()
+
+
+class Recorded(MasterSilence):
+    """The policy, telling the test about each check it made (the thread's only way to act)."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.checks = queue.Queue()
+
+    def check(self, now, due):
+        out = super().check(now, due)
+        self.checks.put((now, out))
+        return out
+
+
+def test_the_watch_thread_sleeps_until_the_deadline_that_contacts_moved():
+    clock = FakeClock()
+    gone = []
+    policy = Recorded(20.0, 60.0, clock())
+    watch = clock.watch = MasterWatch(3, policy, on_gone=lambda rank, why: gone.append((rank, why)), clock=clock)
+    thread = watch.start()
+    clock.now = 1005.0
+    watch.heard()
+    clock.to(1019.0)  # before the first deadline: the thread goes back to sleep without a check
+    clock.to(1020.0)
+    assert policy.checks.get(timeout=60) == (1020.0, (None, 1025.0))
+    clock.to(1025.5)
+    now, (why, _) = policy.checks.get(timeout=60)
+    thread.join(60)
+    assert not thread.is_alive() and now == 1025.5 and policy.checks.empty()
+    assert gone == [(3, "nothing heard from it for 20.5s: no command, no keepalive, no heartbeat taken "
+                        "(EngineConfig.master_timeout_s=20)")]
+
+
+def test_a_stopped_watch_says_nothing():
+    clock = FakeClock()
+    gone = []
+    watch = MasterWatch(3, MasterSilence(20.0, 60.0, clock()), on_gone=lambda r, w: gone.append(w), clock=clock)
+    thread = watch.start()
+    watch.stop()
+    clock.now = 2000.0
+    thread.join(60)
+    assert not thread.is_alive() and gone == []
 
 
 def test_a_broken_connection_says_why_in_one_line():
-    w, gone = watch()
-    w.broken(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:1234\nmore"))
+    gone = []
+    watch = MasterWatch(3, MasterSilence(20.0, 60.0, 0.0), on_gone=lambda rank, why: gone.append((rank, why)))
+    watch.broken(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:1234\nmore"))
     assert gone == [(3, "its connection broke: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection "
                         "closed by peer [10.0.0.1]:1234")]
