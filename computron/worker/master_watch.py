@@ -37,10 +37,15 @@ CLEANUP_S = 2.0
 """How long a leaving worker's best-effort clean-up may take before the process ends regardless."""
 
 
-def exit_master_gone(rank: int, why: str, cleanup: Optional[Callable[[], None]] = None) -> None:
-    """Say why in one line, clean up within ``CLEANUP_S`` where ``cleanup`` is given, then end the process at
-    once: its main thread may sit in a receive that never returns."""
-    log.error("rank %d: the master is gone (%s): exiting", rank, why)
+def exit_master_gone(rank: int, why: str, cleanup: Optional[Callable[[], None]] = None, who: str = "rank",
+                     cleanup_s: float = CLEANUP_S) -> None:
+    """Say why in one line, clean up within ``cleanup_s`` where ``cleanup`` is given, then end the process at
+    once: its main thread may sit in a receive that never returns. ``who``: "rank" (a worker) or "group" (an
+    engine group on Ray, whose master is the front)."""
+    if who == "group":
+        log.error("group %d: the front is gone (%s): stopping the engine and exiting", rank, why)
+    else:
+        log.error("rank %d: the master is gone (%s): exiting", rank, why)
     if cleanup is not None:
         def run():
             try:
@@ -49,7 +54,7 @@ def exit_master_gone(rank: int, why: str, cleanup: Optional[Callable[[], None]] 
                 log.warning("rank %d: clean-up before leaving failed", rank, exc_info=True)
         helper = threading.Thread(target=run, name=f"computron-leave-{rank}", daemon=True)
         helper.start()
-        helper.join(CLEANUP_S)
+        helper.join(cleanup_s)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -65,8 +70,11 @@ class MasterSilence:
     when to check next."""
 
     def __init__(self, timeout_s: float, late_limit_s: float, now: float, master_pid: Optional[int] = None,
-                 probe: Callable[[int], ProcessSample] = process_probe.sample):
+                 probe: Callable[[int], ProcessSample] = process_probe.sample,
+                 contacts: str = "no command, no keepalive, no heartbeat taken"):
         self.timeout_s = timeout_s
+        self.contacts = contacts
+        """What did not come, as the verdict words it."""
         self.late_limit_s = late_limit_s
         self.master_pid = master_pid
         self._probe = probe
@@ -109,7 +117,7 @@ class MasterSilence:
                             self.late_limit_s)
             return None, now + self.timeout_s / 4
         said = f"; its process {sign}" if sign else ""
-        return (f"nothing heard from it for {quiet:.1f}s: no command, no keepalive, no heartbeat taken "
+        return (f"nothing heard from it for {quiet:.1f}s: {self.contacts} "
                 f"(EngineConfig.master_timeout_s={self.timeout_s:g}){said}"), now
 
 

@@ -1,6 +1,7 @@
 """A worker's watchdog on its master (``worker.master_watch``): the policy on a clock of the test's own, the
 thread on a fake clock too (a condition it waits on is woken by the test, never by time passing)."""
 import queue
+import re
 
 from computron.comm import process_probe
 from computron.comm.process_probe import ProcessSample
@@ -136,3 +137,33 @@ def test_a_broken_connection_says_why_in_one_line():
     watch.broken(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:1234\nmore"))
     assert gone == [(3, "its connection broke: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection "
                         "closed by peer [10.0.0.1]:1234")]
+
+
+def test_an_engine_group_cut_off_from_the_front_stops_its_engine_and_leaves(monkeypatch):
+    """A group on Ray arms its watchdog at the front's first keepalive ping; silence past the timeout stops its
+    engine (its workers) and ends the actor's process, saying why."""
+    import asyncio
+
+    from computron.cluster.groups import EngineGroup
+    from computron.worker import master_watch
+
+    left = queue.Queue()
+    monkeypatch.setattr(master_watch, "exit_master_gone",
+                        lambda group, why, cleanup, who: left.put((group, why, cleanup, who)))
+
+    class Engine:
+        closed = False
+
+        def close(self):
+            self.closed = True
+    group = EngineGroup.__new__(EngineGroup)
+    group.group, group.incarnation, group._closing = 1, "abc", False
+    group._front_watch, group._master_timeout_s, group.engine = None, 0.2, Engine()
+    assert asyncio.run(group.ping()) == "abc"
+    assert asyncio.run(group.ping()) == "abc"  # heard again: the deadline moves
+    number, why, cleanup, who = left.get(timeout=60)
+    assert (number, who) == (1, "group") and group._closing
+    assert re.fullmatch(r"nothing heard from it for \d+\.\ds: no keepalive ping from the front "
+                        r"\(EngineConfig.master_timeout_s=0.2\)", why), why
+    cleanup()
+    assert group.engine.closed
