@@ -166,8 +166,7 @@ class EngineGroup:
                                     contacts="no keepalive ping from the front")
             self._front_watch = MasterWatch(self.group, silence, on_gone=self._leave_cut_off)
             self._front_watch.start()
-        else:
-            self._front_watch.heard()
+        self._front_watch.heard()
 
     def _leave_cut_off(self, group: int, why: str) -> None:
         from ..worker.master_watch import exit_master_gone

@@ -71,8 +71,12 @@ class MasterSilence:
 
     def __init__(self, timeout_s: float, late_limit_s: float, now: float, master_pid: Optional[int] = None,
                  probe: Callable[[int], ProcessSample] = process_probe.sample,
-                 contacts: str = "no command, no keepalive, no heartbeat taken"):
+                 contacts: str = "no command, no keepalive, no heartbeat taken", start_s: Optional[float] = None):
         self.timeout_s = timeout_s
+        self.start_s = timeout_s if start_s is None else max(timeout_s, start_s)
+        """The limit until the first contact: a master still starting (its own workers building their shards,
+        ``EngineConfig.start_timeout_s``) has not spoken yet."""
+        self._heard_once = False
         self.contacts = contacts
         """What did not come, as the verdict words it."""
         self.late_limit_s = late_limit_s
@@ -85,29 +89,34 @@ class MasterSilence:
         self._late = False
 
     def heard(self, now: float) -> None:
+        self._heard_once = True
         if now > self._last:
             self._last = now
 
+    @property
+    def limit_s(self) -> float:
+        return self.timeout_s if self._heard_once else self.start_s
+
     def first_due(self) -> float:
-        return self._last + (self.timeout_s / 2 if self.master_pid is not None else self.timeout_s)
+        return self._last + (self.limit_s / 2 if self.master_pid is not None else self.limit_s)
 
     def _forgive_own_stall(self, now: float, due: float) -> None:
         """A check far past its due time: this process had no CPU, so its heartbeats could not go out either.
         Now that it runs again, the master gets half the timeout to be heard from before it counts as gone."""
-        if now - due > self.timeout_s / 2:
-            self._last = max(self._last, now - self.timeout_s / 2)
+        if now - due > self.limit_s / 2:
+            self._last = max(self._last, now - self.limit_s / 2)
 
     def check(self, now: float, due: float) -> Tuple[Optional[str], float]:
         self._forgive_own_stall(now, due)
-        quiet = now - self._last
-        if quiet < self.timeout_s / 2:
+        quiet, limit = now - self._last, self.limit_s
+        if quiet < limit / 2:
             self._sample, self._late = None, False
             return None, self.first_due()
         before = self._sample
-        if self.master_pid is not None and (before is None or quiet >= self.timeout_s):
+        if self.master_pid is not None and (before is None or quiet >= limit):
             self._sample = self._probe(self.master_pid)
-        if quiet < self.timeout_s:
-            return None, self._last + self.timeout_s
+        if quiet < limit:
+            return None, self._last + limit
         sign = None if self.master_pid is None else process_sign(before, self._sample)
         if sign == RUNS and quiet <= self.late_limit_s:
             if not self._late:
@@ -115,10 +124,11 @@ class MasterSilence:
                 log.warning("nothing from the master for %.1fs, but its process runs or waits for a CPU (a busy "
                             "machine): waiting up to EngineConfig.heartbeat_late_limit_s=%s", quiet,
                             self.late_limit_s)
-            return None, now + self.timeout_s / 4
+            return None, now + limit / 4
         said = f"; its process {sign}" if sign else ""
-        return (f"nothing heard from it for {quiet:.1f}s: {self.contacts} "
-                f"(EngineConfig.master_timeout_s={self.timeout_s:g}){said}"), now
+        setting = (f"EngineConfig.master_timeout_s={self.timeout_s:g}" if self._heard_once
+                   else f"not once since this process began serving; EngineConfig.start_timeout_s={self.start_s:g}")
+        return f"nothing heard from it for {quiet:.1f}s: {self.contacts} ({setting}){said}", now
 
 
 class MasterWatch:

@@ -183,7 +183,7 @@ class Worker(ModelChanges, HostTier):
         watch = None
         if getattr(self.channel, "remote", False):  # not the master's own worker 0 in attach mode
             silence = MasterSilence(self.config.resolved_master_timeout_s(), self.config.heartbeat_late_limit_s,
-                                    time.monotonic(), master_pid)
+                                    time.monotonic(), master_pid, start_s=self.config.start_timeout_s)
             watch = self._watch = MasterWatch(self.rank, silence, on_gone=self._leave)
             watch.start()
         self.start_heartbeat(min(self.config.heartbeat_timeout_s / 4, 1.0))

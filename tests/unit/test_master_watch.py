@@ -13,8 +13,23 @@ RUNNING = ProcessSample(process_probe.RUNNING, 5, 5, runnable=True)
 
 def silence(master_pid=None, looks=()):
     looks = list(looks)
-    return MasterSilence(timeout_s=20.0, late_limit_s=60.0, now=1000.0, master_pid=master_pid,
-                         probe=lambda pid: looks.pop(0))
+    s = MasterSilence(timeout_s=20.0, late_limit_s=60.0, now=1000.0, master_pid=master_pid,
+                      probe=lambda pid: looks.pop(0), start_s=300.0)
+    s.heard(1000.0)  # the master's first keepalive
+    return s
+
+
+def test_a_master_still_starting_gets_the_start_timeout_until_it_first_speaks():
+    s = MasterSilence(timeout_s=20.0, late_limit_s=60.0, now=1000.0, start_s=300.0)
+    assert s.first_due() == 1300.0  # its own workers may still be building their shards
+    why, _ = s.check(1300.0, 1300.0)
+    assert why == ("nothing heard from it for 300.0s: no command, no keepalive, no heartbeat taken (not once "
+                   "since this process began serving; EngineConfig.start_timeout_s=300)")
+    s = MasterSilence(timeout_s=20.0, late_limit_s=60.0, now=1000.0, start_s=300.0)
+    s.heard(1290.0)
+    assert s.check(1300.0, 1300.0) == (None, 1310.0)  # once heard from, the master timeout
+    assert s.check(1310.0, 1310.0)[0].endswith("for 20.0s: no command, no keepalive, no heartbeat taken "
+                                               "(EngineConfig.master_timeout_s=20)")
 
 
 def test_the_deadline_moves_with_every_contact_and_passes_after_the_timeout():
@@ -104,7 +119,7 @@ class Recorded(MasterSilence):
 def test_the_watch_thread_sleeps_until_the_deadline_that_contacts_moved():
     clock = FakeClock()
     gone = []
-    policy = Recorded(20.0, 60.0, clock())
+    policy = Recorded(20.0, 60.0, clock())  # no start limit of its own: the master timeout from the start
     watch = clock.watch = MasterWatch(3, policy, on_gone=lambda rank, why: gone.append((rank, why)), clock=clock)
     thread = watch.start()
     clock.now = 1005.0
