@@ -130,11 +130,11 @@ class EngineConfig:
     busy machine starves it) is late, not dead: logged, counted (``late_heartbeats``) and given up to this
     long in all. A stopped, exited or sleeping one, or one on another host, is dead at heartbeat_timeout_s."""
     master_timeout_s: Optional[float] = None
-    """A worker that hears nothing from its master for this long (None: twice heartbeat_timeout_s; start_timeout_s
-    until the master first speaks) — no
-    command, no keepalive (sent every heartbeat interval while the master has no command), none of its own
-    heartbeats taken by the master, also while it executes a command — or whose connection to it breaks,
-    leaves saying why: its master is gone (killed, its host down or cut off)."""
+    """A worker that hears nothing from its master for this long (None: twice heartbeat_timeout_s;
+    start_timeout_s until the master first speaks) — no command, no keepalive (sent every heartbeat interval
+    while the master has no command), none of its own heartbeats taken by the master, also while it executes a
+    command — or whose connection to it breaks, leaves saying why: its master is gone (killed, its host down or
+    cut off). An engine group on Ray leaves when the front's keepalive pings stop for as long."""
     command_timeout_s: float = 600.0
     """A command that runs longer than this on a rank (a forward stuck forever) kills the engine. A rank
     still silent heartbeat_timeout_s after another rank reported the same command failed does too."""
