@@ -94,6 +94,10 @@ class MasterSilence:
             self._last = now
 
     @property
+    def heard_once(self) -> bool:
+        return self._heard_once
+
+    @property
     def limit_s(self) -> float:
         return self.timeout_s if self._heard_once else self.start_s
 
@@ -133,7 +137,7 @@ class MasterSilence:
 
 class MasterWatch:
     """The watchdog thread of one worker: asleep until ``MasterSilence``'s next due time; every contact
-    (``heard``) moves the deadline without waking it."""
+    (``heard``) moves the deadline without waking it, except the first, which shortens the limit."""
 
     def __init__(self, rank: int, silence: MasterSilence,
                  on_gone: Callable[[int, str], None] = exit_master_gone,
@@ -144,10 +148,15 @@ class MasterWatch:
         self._clock = clock
         self._cond = threading.Condition()
         self._stopped = False
+        self._replan = False
 
     def heard(self) -> None:
         with self._cond:
+            first = not self.silence.heard_once
             self.silence.heard(self._clock())
+            if first:  # the limit shrinks from the start timeout to the master timeout: plan again
+                self._replan = True
+                self._cond.notify_all()
 
     def _watch(self) -> None:
         with self._cond:
@@ -156,6 +165,10 @@ class MasterWatch:
                 self._cond.wait(max(0.0, due - self._clock()))
                 if self._stopped:
                     return
+                if self._replan:
+                    self._replan = False
+                    due = self.silence.first_due()
+                    continue
                 now = self._clock()
                 if now < due:
                     continue

@@ -2,6 +2,7 @@
 thread on a fake clock too (a condition it waits on is woken by the test, never by time passing)."""
 import queue
 import re
+import threading
 
 from computron.comm import process_probe
 from computron.comm.process_probe import ProcessSample
@@ -88,19 +89,26 @@ def test_the_default_timeout_is_twice_the_heartbeat_timeout():
 
 
 class FakeClock:
-    """Time the test moves (``to``), waking the watch's condition so that it looks at the new time."""
+    """Time the test moves (``to``), waking the watch's condition so that it looks at the new time; ``to``
+    returns once the watch thread read the clock again (it then holds the condition's lock until it sleeps, so
+    the test's next step finds it asleep)."""
 
     def __init__(self):
         self.now = 1000.0
         self.watch = None
+        self.read = threading.Event()
 
     def __call__(self):
+        if threading.current_thread().name.startswith("computron-master-watch"):
+            self.read.set()
         return self.now
 
     def to(self, t):
         with self.watch._cond:
+            self.read.clear()
             self.now = t
             self.watch._cond.notify_all()
+        assert self.read.wait(60)
 
 
 class Recorded(MasterSilence):
@@ -116,23 +124,41 @@ class Recorded(MasterSilence):
         return out
 
 
-def test_the_watch_thread_sleeps_until_the_deadline_that_contacts_moved():
+def run_watch(start_s=None):
     clock = FakeClock()
     gone = []
-    policy = Recorded(20.0, 60.0, clock())  # no start limit of its own: the master timeout from the start
+    policy = Recorded(20.0, 60.0, clock(), None, process_probe.sample, "no command", start_s)
     watch = clock.watch = MasterWatch(3, policy, on_gone=lambda rank, why: gone.append((rank, why)), clock=clock)
     thread = watch.start()
+    assert clock.read.wait(60)  # asleep until its first deadline
+    return clock, watch, policy, gone, thread
+
+
+def test_the_watch_thread_sleeps_until_the_deadline_that_contacts_moved():
+    clock, watch, policy, gone, thread = run_watch()
     clock.now = 1005.0
-    watch.heard()
-    clock.to(1019.0)  # before the first deadline: the thread goes back to sleep without a check
-    clock.to(1020.0)
-    assert policy.checks.get(timeout=60) == (1020.0, (None, 1025.0))
+    watch.heard()  # the first contact: the thread plans its deadline again (1025)
+    clock.to(1019.0)  # before the deadline: back to sleep without a check
+    clock.now = 1019.0
+    watch.heard()  # moves the deadline to 1039 without waking the thread
+    clock.to(1025.0)
+    assert policy.checks.get(timeout=60) == (1025.0, (None, 1039.0))
+    clock.to(1039.5)
+    now, (why, _) = policy.checks.get(timeout=60)
+    thread.join(60)
+    assert not thread.is_alive() and now == 1039.5 and policy.checks.empty()
+    assert gone == [(3, "nothing heard from it for 20.5s: no command (EngineConfig.master_timeout_s=20)")]
+
+
+def test_the_first_contact_shortens_the_sleeping_threads_deadline_to_the_master_timeout():
+    clock, watch, policy, gone, thread = run_watch(start_s=300.0)
+    clock.now = 1005.0
+    watch.heard()  # asleep until 1300 (the start timeout) so far: now until 1025
     clock.to(1025.5)
     now, (why, _) = policy.checks.get(timeout=60)
     thread.join(60)
-    assert not thread.is_alive() and now == 1025.5 and policy.checks.empty()
-    assert gone == [(3, "nothing heard from it for 20.5s: no command, no keepalive, no heartbeat taken "
-                        "(EngineConfig.master_timeout_s=20)")]
+    assert now == 1025.5 and gone == [(3, "nothing heard from it for 20.5s: no command "
+                                           "(EngineConfig.master_timeout_s=20)")]
 
 
 def test_a_stopped_watch_says_nothing():
