@@ -131,10 +131,12 @@ class EngineConfig:
     """A worker silent past heartbeat_timeout_s whose process this host sees running or waiting for a CPU (a
     busy machine starves it) is late, not dead: logged, counted (``late_heartbeats``) and given up to this
     long in all. A stopped, exited or sleeping one, or one on another host, is dead at heartbeat_timeout_s."""
-    master_timeout_s: float = 60.0
-    """A worker that hears nothing from its master (the master sends a keepalive every heartbeat interval
-    while it has no command) for this long while waiting for a command, or whose connection to it breaks,
-    exits saying why: its master is gone (killed, its host down or cut off)."""
+    master_timeout_s: Optional[float] = None
+    """A worker that hears nothing from its master for this long (None: twice heartbeat_timeout_s;
+    start_timeout_s until the master first speaks) — no command, no keepalive (sent every heartbeat interval
+    while the master has no command), none of its own heartbeats taken by the master, also while it executes a
+    command — or whose connection to it breaks, leaves saying why: its master is gone (killed, its host down or
+    cut off). An engine group on Ray leaves when the front's keepalive pings stop for as long."""
     command_timeout_s: float = 600.0
     """A command that runs longer than this on a rank (a forward stuck forever) kills the engine. A rank
     still silent heartbeat_timeout_s after another rank reported the same command failed does too."""
@@ -246,6 +248,8 @@ class EngineConfig:
         for name in ("start_timeout_s", "death_timeout_s", "heartbeat_timeout_s", "command_timeout_s",
                      "shutdown_grace_s", "heartbeat_late_limit_s", "master_timeout_s", "rendezvous_timeout_s"):
             v = getattr(self, name)
+            if v is None and name == "master_timeout_s":
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 _fail(c, name, v, "must be a positive number of seconds")
         if self.policy not in POLICIES:
@@ -276,6 +280,9 @@ class EngineConfig:
             return self.device
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_master_timeout_s(self) -> float:
+        return self.master_timeout_s if self.master_timeout_s is not None else 2 * self.heartbeat_timeout_s
 
     def resolved_backend(self) -> str:
         if self.backend is not None:

@@ -24,6 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rest_of_output(proc, timeout: float):
+    """``(stdout, stderr)``: all a process still writes, once some lines of its stdout were read (``readline``),
+    and its end awaited within ``timeout``. Read through the same file objects: ``Popen.communicate`` reads
+    the pipes' descriptors, so what a ``readline`` took into the file object's buffer beyond its line (output
+    that arrived together with it) would be lost."""
+    import threading
+    err = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    out = proc.stdout.read()
+    proc.wait(timeout)
+    reader.join(timeout)
+    return out, "".join(err)
+
+
 def stop_command(proc, family, timeout: float, grace: float) -> list:
     """SIGTERM ``proc`` and wait ``timeout`` for it (then kill it); wait ``grace`` for the processes of
     ``family`` (psutil processes it started) and kill those still there. Returns those that had to be killed."""

@@ -126,6 +126,9 @@ class EngineGroup:
         self._wake: Optional[asyncio.Event] = None
         self._queued: Counter = Counter()
         self.costs = GroupCosts()
+        self._front_watch = None
+        """The watchdog on the front (``master_watch``), armed by its first keepalive ping."""
+        self._master_timeout_s = engine_config.resolved_master_timeout_s()
         # on a thread of its own: Ray runs this constructor on the actor's event loop, which has nothing to
         # do until the engine exists (a restarted group answers no call before it is rebuilt)
         with ThreadPoolExecutor(1, thread_name_prefix="computron-group-launch") as pool:
@@ -152,6 +155,23 @@ class EngineGroup:
         for h in logging.getLogger().handlers + log.handlers:
             h.flush()
         os._exit(1)
+
+    def _heard_from_front(self) -> None:
+        """A keepalive ping: the front is there. The first arms the watchdog that ends this group (its engine,
+        its workers, this process) when the front falls silent for ``EngineConfig.master_timeout_s``: a node
+        cut off from the front must not keep the memory a restarted group needs."""
+        from ..worker.master_watch import MasterSilence, MasterWatch
+        if self._front_watch is None:
+            silence = MasterSilence(self._master_timeout_s, self._master_timeout_s, time.monotonic(),
+                                    contacts="no keepalive ping from the front")
+            self._front_watch = MasterWatch(self.group, silence, on_gone=self._leave_cut_off)
+            self._front_watch.start()
+        self._front_watch.heard()
+
+    def _leave_cut_off(self, group: int, why: str) -> None:
+        from ..worker.master_watch import exit_master_gone
+        self._closing = True
+        exit_master_gone(group, why, cleanup=self.engine.close, who="group")
 
     # ---- pushes ----------------------------------------------------------------
     def _bind(self) -> None:
@@ -315,6 +335,7 @@ class EngineGroup:
 
     async def ping(self) -> str:
         """The front's keepalive (``keepalive.py``): this incarnation."""
+        self._heard_from_front()
         return self.incarnation
 
     async def info(self) -> Dict[str, Any]:

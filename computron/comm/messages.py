@@ -185,8 +185,8 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Keepalive:
-    """Broadcast by the master while it has no command to send: workers that hear nothing at all for
-    ``EngineConfig.master_timeout_s`` while waiting for a command know their master is gone."""
+    """Broadcast by the master while it has no command to send: workers that hear nothing at all (this,
+    commands, their heartbeats taken) for ``EngineConfig.master_timeout_s`` know their master is gone."""
     seq: int = -1
 
 

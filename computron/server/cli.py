@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import os
 import logging
 import sys
 from typing import List, Optional
@@ -165,16 +165,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def console() -> int:
-    """The ``computron`` command and ``python -m computron``: ``main``, then a quick exit.
+    """The ``computron`` command and ``python -m computron``: ``main``, then the process ends at once.
 
     Everything ``main`` started is stopped and flushed when it returns; what is left is the interpreter's
-    teardown, whose garbage collections walk every object torch and transformers made at import (about
-    two seconds on 2 CPU cores, after a stop that took a fraction of one). Frozen, those objects are
-    skipped: they are freed with the process. Not in ``main``, which tests and programs call in-process.
+    teardown, which helps nobody here: its garbage collections walk every object torch and transformers made
+    at import (about two seconds on 2 CPU cores, after a stop that took a fraction of one), and where triton is
+    installed (``torch._dynamo`` imports it, and transformers' model classes import ``torch._dynamo``) its
+    nanobind module prints some fifty ``nanobind: leaked ...`` lines for the objects it finds alive when its
+    own teardown runs. So after ``main`` the logs are flushed and the process exits with ``os._exit``, as the
+    workers do. Not in ``main``, which tests and programs call in-process.
     """
     status = main()
-    gc.freeze()
-    return status
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from ..storage.memory import DevicePool, HostPool
 from ..storage.store import Store
 from .changes import ModelChanges
 from .host_tier import HostTier
-from .master_watch import MasterWatch
+from .master_watch import MasterSilence, MasterWatch, exit_master_gone
 from .shard_builder import BackgroundJobs, ShardBuilder
 
 log = logging.getLogger("computron.worker")
@@ -62,6 +62,10 @@ class Worker(ModelChanges, HostTier):
         self._failed_steps: set = set()  # models whose last step raised here (a step sent ahead then aborts)
         self._stop_heartbeat = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._watch: Optional[MasterWatch] = None
+        """The watchdog on the master (a remote one only): told of every contact."""
+        self._leaving = threading.Event()
+        """Set when the master is gone: no command starts after it."""
         self._builder = ShardBuilder(rank, groups, device, engine_config, self.pool, self.copy_stream,
                                      self.host_pool)
         self._builds = BackgroundJobs(rank)
@@ -160,6 +164,9 @@ class Worker(ModelChanges, HostTier):
                 log.warning("rank %d: heartbeats stop: %s: %s (the master is gone, or the control "
                             "plane broke)", self.rank, type(exc).__name__, exc)
                 return
+            watch = self._watch
+            if watch is not None:  # the master's receiver took it: the master is there
+                watch.heard()
 
     def _heartbeat_message(self) -> msg.Heartbeat:
         busy = self._busy
@@ -173,16 +180,14 @@ class Worker(ModelChanges, HostTier):
         (the watchdog on the master, ``master_watch``, then tells a busy master from a gone one)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # attach mode runs worker 0 in a thread of its own
-        interval = min(self.config.heartbeat_timeout_s / 4, 1.0)
-        self.start_heartbeat(interval)
         watch = None
         if getattr(self.channel, "remote", False):  # not the master's own worker 0 in attach mode
-            watch = MasterWatch(self.rank, self.config.master_timeout_s, self.config.heartbeat_late_limit_s,
-                                interval, master_pid)
+            silence = MasterSilence(self.config.resolved_master_timeout_s(), self.config.heartbeat_late_limit_s,
+                                    time.monotonic(), master_pid, start_s=self.config.start_timeout_s)
+            watch = self._watch = MasterWatch(self.rank, silence, on_gone=self._leave)
             watch.start()
+        self.start_heartbeat(min(self.config.heartbeat_timeout_s / 4, 1.0))
         while True:
-            if watch is not None:
-                watch.waiting()
             try:
                 cmd = self.channel.recv()
             except Exception as exc:  # noqa: BLE001 - the master's end closed: said in one line, then exit
@@ -199,6 +204,8 @@ class Worker(ModelChanges, HostTier):
                     watch.stop()
                 self._shut_down()
                 return
+            if self._leaving.is_set():  # the watchdog is ending the process: start nothing more
+                continue
             self._busy = (cmd.seq, time.perf_counter())
             try:
                 self._execute(cmd)
@@ -210,6 +217,26 @@ class Worker(ModelChanges, HostTier):
                 self.channel.reply(failure)
             finally:
                 self._busy = None
+
+    def _leave(self, rank: int, why: str) -> None:
+        """The master is gone (``master_watch``): no command starts any more, then the process ends (its memory
+        with it) even if the command loop is stuck in a receive."""
+        self._leaving.set()
+        exit_master_gone(rank, why, cleanup=self._release_for_exit)
+
+    def _release_for_exit(self) -> None:
+        """Best effort, bounded by ``master_watch.CLEANUP_S``: stop the threads that would still talk to the
+        master, and on a GPU abort the data plane's communicators so that no kernel waits on a cut-off peer."""
+        self._stop_heartbeat.set()
+        if self.device.type != "cuda":
+            return
+        import torch.distributed as dist
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is None:
+            return
+        for group in [self.groups.data, *self.groups.tp_groups]:
+            if isinstance(group, dist.ProcessGroup):  # not the stages' groups this rank is no member of
+                abort(group)
 
     def _shut_down(self) -> None:
         # a beat sent after our goodbye would wait forever for a master that stopped receiving,

@@ -146,7 +146,7 @@ def test_workers_exit_by_themselves_when_their_master_is_gone(checkpoints, tmp_p
         assert "rank 1: the master is gone (" in text
         assert "Traceback" not in text
         if how == "SIGSTOP":  # nothing broke: nothing was heard
-            assert "nothing from it, not even a keepalive" in text
+            assert "nothing heard from it for" in text
             logs[0].seek(0)
             assert "its process stopped" in logs[0].read()  # rank 0 shares its master's host: it looked
     finally:

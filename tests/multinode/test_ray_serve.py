@@ -11,7 +11,7 @@ import time
 
 import pytest
 from conftest import VENV_BIN, LogLines, curl, node_env, ray_start
-from helpers import greedy_reference
+from helpers import greedy_reference, rest_of_output
 from serve_helpers import write_checkpoints
 from transformers import AutoTokenizer
 
@@ -161,7 +161,7 @@ def test_sigterm_drains_the_front(two_nodes, server, ckpts):
     first = stream.stdout.readline()
     assert first.startswith("data: "), first + stream.stderr.read()
     proc.terminate()  # SIGTERM
-    rest, err = stream.communicate(timeout=300)
+    rest, err = rest_of_output(stream, timeout=300)  # not communicate(): it would lose what readline buffered
     chunks = [json.loads(ln[len("data: "):]) for ln in (first + rest).splitlines()
               if ln.startswith("data: ") and ln != "data: [DONE]"]
     assert rest.rstrip().endswith("data: [DONE]"), rest + err
