@@ -51,17 +51,17 @@ class EngineConfig:
     where the cores suffice for that (``runtime/affinity.py``); 'off': the OS places them, but for a CPU worker
     with helper threads (``cpu_helpers``)."""
     pack_cpu_linears: bool = True
-    """CPU workers run their models' Linears on weights packed once per load (``models/cpu_linear.py``: in
-    ``models/cpu_gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
+    """CPU workers run their models' Linears on weights packed once per load (``kernels/cpu/linear.py``: in
+    ``kernels/cpu/gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
     weights' bytes once more while a model is resident; False keeps ``F.linear`` (and the weight-first
     product for a few rows)."""
     cpu_decode_attention: bool = True
-    """CPU workers run a paged decode step's attention straight from the KV pool (``models/cpu_attention.py``,
+    """CPU workers run a paged decode step's attention straight from the KV pool (``kernels/cpu/attention.py``,
     one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
     False keeps the model's own SDPA over the gathered keys."""
     cpu_helpers: bool = True
     """CPU workers computing on one intra-op thread share their Linears' products with helper threads at idle
-    priority, one per core beyond the workers' (``models/cpu_gemm_source.py``; ``runtime/affinity.py`` counts
+    priority, one per core beyond the workers' (``kernels/cpu/gemm.c``; ``runtime/affinity.py`` counts
     them): whatever else wants a core (the master, a client) runs first, an idle core takes chunks of the
     product. A worker with helpers is pinned as ``pin_workers='auto'`` pins, to a core no other worker of the
     host holds (``runtime/core_claims.py``), and its helpers keep off it. Results are the same bit for bit.

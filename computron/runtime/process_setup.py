@@ -212,5 +212,5 @@ def pin_and_lend(config: EngineConfig, device: torch.device, local_rank: int, lo
     where = affinity.helper_cores(helpers, cores, mine, [c for c in cores if core_claims.held_elsewhere(c)])
     if not where:
         return 0
-    from ..models import cpu_gemm
+    from ..kernels.cpu import gemm as cpu_gemm
     return cpu_gemm.lend_cores(min(helpers, len(where)), where)

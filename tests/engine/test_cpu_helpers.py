@@ -1,4 +1,4 @@
-"""Helper threads of the CPU block matmul (``models/cpu_gemm_source.py``, ``EngineConfig.cpu_helpers``), each
+"""Helper threads of the CPU block matmul (``kernels/cpu/gemm.c``, ``EngineConfig.cpu_helpers``), each
 piece in a process of its own (helpers and core claims last as long as their process):
 
 - products shared with a helper equal the same products computed alone bit for bit (row counts across the
@@ -19,14 +19,14 @@ import tempfile
 import pytest
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, loading, zoo
-from computron.models import cpu_gemm
+from computron.kernels.cpu import gemm as cpu_gemm
 from computron.runtime.affinity import helper_count
 from computron.runtime.process_setup import usable_cores
 
 SCRIPT = r'''
 import gc, time, weakref
 import torch
-from computron.models import cpu_gemm
+from computron.kernels.cpu import gemm as cpu_gemm
 torch.set_num_threads(1)
 gen = torch.Generator().manual_seed(0)
 cases = []

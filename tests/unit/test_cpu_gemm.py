@@ -1,4 +1,4 @@
-"""The CPU block matmul (``models/cpu_gemm.py``): built once per machine into the cache, equal to ``F.linear`` to
+"""The CPU block matmul (``kernels/cpu/gemm.py``): built once per machine into the cache, equal to ``F.linear`` to
 float rounding for every row count its tiles take (1-8 rows, several tiles, one block or an odd one left,
 output features not a multiple of 16, with and without a bias), used only where it was timed faster than
 ``F.linear`` on this machine (the verdict kept beside the build), and never an error where it cannot build."""
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from computron.models import cpu_gemm, cpu_kernels
+from computron.kernels.cpu import gemm as cpu_gemm
+from computron.kernels.cpu import build as cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.built(), reason="the kernel does not build here (see its log)")
 
