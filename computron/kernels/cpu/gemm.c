@@ -328,8 +328,6 @@ long computron_block_matmul(const float* x, const float* w, const float* b, floa
 }
 #else
 int computron_gemm_lend(int n, const int* cpus, int ncpus) { return 0; }
-void computron_gemm_slow_helpers(long ns) { slow_ns = ns; }
-
 int computron_gemm_inside(long job) { return 0; }
 void computron_gemm_slow_helpers(long ns) {}
 long computron_block_matmul(const float* x, const float* w, const float* b, float* y,
