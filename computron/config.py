@@ -50,11 +50,14 @@ class EngineConfig:
     counted from the last core, none another worker of this host holds), the first core left to the master,
     where the cores suffice for that (``runtime/affinity.py``); 'off': the OS places them, but for a CPU worker
     with helper threads (``cpu_helpers``)."""
-    pack_cpu_linears: bool = True
-    """CPU workers run their models' Linears on weights packed once per load (``kernels/cpu/linear.py``: in
+    pack_cpu_linears: Any = "pinned"
+    """Which models' Linears CPU workers run on weights packed once per residency (``kernels/cpu/linear.py``: in
     ``kernels/cpu/gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
-    weights' bytes once more while a model is resident; False keeps ``F.linear`` (and the weight-first
-    product for a few rows)."""
+    weights' bytes once more while the model is resident. 'pinned' (the default): only models pinned when their
+    shard is built (``ModelConfig.pinned``), which never leave the device, so no swap pays for a layout (packs
+    are dropped at each offload and made again at the first forward after each load: see
+    docs/performance.md); True: every model; False: none (``F.linear``, and the weight-first product for a
+    few rows)."""
     cpu_decode_attention: bool = True
     """CPU workers run a paged decode step's attention straight from the KV pool (``kernels/cpu/attention.py``,
     one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
@@ -215,8 +218,8 @@ class EngineConfig:
             _fail(c, "cpu_decode_attention", self.cpu_decode_attention, "must be True or False")
         if not isinstance(self.cpu_helpers, bool):
             _fail(c, "cpu_helpers", self.cpu_helpers, "must be True or False")
-        if not isinstance(self.pack_cpu_linears, bool):
-            _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True or False")
+        if not (isinstance(self.pack_cpu_linears, bool) or self.pack_cpu_linears == "pinned"):
+            _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True, False or 'pinned'")
         if self.kv_cache not in ("dynamic", "paged"):
             _fail(c, "kv_cache", self.kv_cache, "must be 'dynamic' or 'paged'")
         if self.compile_decode not in ("off", "auto", "on"):

@@ -111,10 +111,15 @@ MAX_TOKENS = 12
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not helper_count(True, len(usable_cores()), 1, 1), reason="no core beyond the worker's")
-def test_a_worker_with_a_helper_serves_transformers_tokens(smollm2_gguf, gguf_cache, tmp_path):
+def test_a_worker_with_a_helper_serves_transformers_tokens(smollm2_gguf, gguf_cache, tmp_path, monkeypatch):
+    """A pinned model's Linears run packed (``EngineConfig.pack_cpu_linears='pinned'``), their products shared
+    with the helper; the core claims are this test's own (``core_claims.CLAIMS_ENV``, which the worker inherits),
+    so an engine another test runs beside it on this host cannot hold the core the worker would claim."""
+    from computron.runtime import core_claims
     from computron.storage import gguf
+    monkeypatch.setenv(core_claims.CLAIMS_ENV, str(tmp_path / "claims"))
     converted = gguf.convert(smollm2_gguf)
-    mc = ModelConfig("smol", loading.load_causal_lm, {"path": converted}, checkpoint=converted)
+    mc = ModelConfig("smol", loading.load_causal_lm, {"path": converted}, checkpoint=converted, pinned=True)
     config = EngineConfig(start_timeout_s=300, log_dir=str(tmp_path), kv_cache="paged", worker_threads=1)
 
     async def serve():
