@@ -232,3 +232,21 @@ def test_a_weight_whose_blocks_are_padded_keeps_the_long_way(threads, pack_any_s
         x = torch.randn(3, 32)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert lin.__dict__["_computron_call"] is None and lin.packed_kind == cpu_linear.BLOCKED
+
+
+@pytest.mark.parametrize("pack,pinned,packs", [("pinned", False, False), ("pinned", True, True), (True, False, True),
+                                               (False, True, False)])
+def test_a_shard_packs_its_linears_only_where_the_model_never_leaves(pack, pinned, packs, pack_any_size):
+    """``EngineConfig.pack_cpu_linears``, as a worker builds a shard: the default ('pinned') packs a pinned
+    model's Linears only; a model that swaps keeps its weights as the load copies them (no layout to rebuild
+    after each load); True packs every model, False none."""
+    from computron import EngineConfig, ModelConfig, zoo
+    from computron.kernels.cpu import gemm
+    from computron.storage.memory import DevicePool
+    from computron.worker.shard_builder import ShardBuilder
+    cpu = torch.device("cpu")
+    builder = ShardBuilder(0, OneRank(), cpu, EngineConfig(pack_cpu_linears=pack), DevicePool(cpu), None, None)
+    mc = ModelConfig("m", zoo.random_causal_lm, {"name": "opt-tiny", "seed": 0}, pinned=pinned)
+    runner = builder.build("m", mc, host_room=lambda nbytes: True).runner
+    linears = [m for m in runner.module.modules() if getattr(type(m), "uses_cpu_linear", False)]
+    assert linears and {m.pack_weights for m in linears} == {packs and (packing_available() or gemm.available())}
