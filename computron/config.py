@@ -298,7 +298,8 @@ class ModelConfig:
     mutable_buffers: Sequence[str] = ()
     """Names of buffers a forward changes; only these are copied back on offload."""
     pinned: bool = False
-    """Never evict this model once loaded (it still counts against max_loaded and the device budget)."""
+    """Never evict this model once loaded (it still counts against max_loaded and the device budget). On CPU
+    workers its Linears then run on packed weights (``EngineConfig.pack_cpu_linears='pinned'``, the default)."""
     priority: int = 0
     """Higher goes first when several models wait for a slot, and is evicted last."""
     queue_size: Optional[int] = None
