@@ -4,7 +4,8 @@ A Linear computes ``x @ W^T`` for activations ``x`` of ``M`` rows: one row per s
 few dozen in a short prefill. For such ``M`` the BLAS behind ``F.linear`` in torch's CPU wheels (MKL) reads
 the weight in its stored layout at every call and spreads the work poorly over threads.
 
-Packed (the default for a float32 weight): the first call after a load lays the weight out once, in
+Packed (a float32 weight of a model that packs: ``EngineConfig.pack_cpu_linears``, by default a pinned one,
+which never leaves the device): the first call after a load lays the weight out once, in
 ``gemm``'s blocks of 16 output features where a worker computes on one intra-op thread and that kernel
 builds (its docstring has the figures: a decode step of SmolLM2 0.6-0.65x oneDNN's time), else in oneDNN's
 blocked format (``torch.ops.mkldnn._reorder_linear_weight``), and every call then
