@@ -63,12 +63,13 @@ class EngineConfig:
     one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
     False keeps the model's own SDPA over the gathered keys."""
     cpu_helpers: bool = True
-    """CPU workers computing on one intra-op thread, where a model runs on packed Linears (``pack_cpu_linears``),
-    share those Linears' products with helper threads at idle priority, one per core beyond the workers' (``kernels/cpu/gemm.c``; ``runtime/affinity.py`` counts
-    them): whatever else wants a core (the master, a client) runs first, an idle core takes chunks of the
-    product. A worker with helpers is pinned as ``pin_workers='auto'`` pins, to a core no other worker of the
-    host holds (``runtime/core_claims.py``), and its helpers keep off it. Results are the same bit for bit.
-    False: one thread per worker, as vLLM's CPU worker."""
+    """CPU workers computing on one intra-op thread, where a model runs on packed Linears (``pack_cpu_linears``), share
+    those Linears' products with helper threads at idle priority, one per core beyond the workers'
+    (``kernels/cpu/gemm.c``; ``runtime/affinity.py`` counts them): whatever else wants a core (the master, a
+    client) runs first, an idle core takes chunks of the product. A worker with helpers is pinned as
+    ``pin_workers='auto'`` pins, to a core no other worker of the host holds (``runtime/core_claims.py``), and
+    its helpers keep off it. Results are the same bit for bit. False: one thread per worker, as vLLM's CPU
+    worker."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
