@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Serve many deep-learning models on shared GPUs by model-parallel swapping",
     packages=find_packages(include=["computron", "computron.*"]),
-    package_data={"computron.server": ["static/*.html"]},
+    package_data={"computron.server": ["static/*.html"], "computron.kernels.cpu": ["*.c"]},
     entry_points={"console_scripts": ["computron = computron.server.cli:console"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5,<6", "numpy", "safetensors", "tokenizers", "pyyaml",

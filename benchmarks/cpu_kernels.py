@@ -59,7 +59,8 @@ def main(argv=None) -> int:
 
 
 def measure(args) -> dict:
-    from computron.models import cpu_attention, cpu_gemm
+    from computron.kernels.cpu import attention as cpu_attention
+    from computron.kernels.cpu import gemm as cpu_gemm
     repeats = 1 if args.quick else args.repeats
     out = {"bench": "cpu_kernels", "repeats": repeats, "quick": args.quick, "gemm": {}, "attention": {}}
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +100,9 @@ def measure(args) -> dict:
 def per_call(gen, repeats: int) -> dict:
     from torch import nn
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from computron.models import cpu_gemm, cpu_linear, cpu_norm
+    from computron.kernels.cpu import gemm as cpu_gemm
+    from computron.kernels.cpu import linear as cpu_linear
+    from computron.kernels.cpu import norm as cpu_norm
     out = {}
     x = torch.randn(1, 1, 576, generator=gen)
     lin = nn.Linear(576, 192, bias=False)  # made outside inference mode, as a model's weights are

@@ -1,4 +1,4 @@
-"""CPU Linears: ``F.linear`` against the packed and the weight-first products of ``computron.models.cpu_linear``.
+"""CPU Linears: ``F.linear`` against the packed and the weight-first products of ``computron.kernels.cpu.linear``.
 
 Prints exactly one JSON line on stdout; progress goes to stderr.
 
@@ -70,7 +70,7 @@ def chain(linears, rows: int, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from computron.models.cpu_linear import PACK_ROWS, packing_available, weight_first
+    from computron.kernels.cpu.linear import PACK_ROWS, packing_available, weight_first
     xs = [torch.randn(rows, lin.in_features) for lin in linears]
     forms = {"f_linear": lambda: [F.linear(x, lin.weight, lin.bias) for x, lin in zip(xs, linears)],
              "weight_first": lambda: [weight_first(x, lin.weight, lin.bias) for x, lin in zip(xs, linears)]}
@@ -125,7 +125,7 @@ def decode(model, args) -> dict:
     import torch
     from torch import nn
 
-    from computron.models.cpu_linear import FewRowLinear, use_cpu_kernels
+    from computron.kernels.cpu.linear import FewRowLinear, use_cpu_kernels
     linears = [m for m in model.modules() if type(m) in (nn.Linear, FewRowLinear)]
 
     def plain():

@@ -6,7 +6,7 @@ way ``CausalLMRunner.step`` drives it: ``running.RunningBatch`` (transformers' D
 grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool per layer, one ragged row).
 Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
 the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible. A third
-run, ``direct``, is the paged pool with its decode attention read in place by ``models/cpu_attention``
+run, ``direct``, is the paged pool with its decode attention read in place by ``kernels/cpu/attention.py``
 (where ``kv_pool.direct_fits``: one thread, a CPU; else it says ``"direct": false``; compiled, the kernel is
 the opaque operator ``computron::paged_decode``): ``direct_over_paged``.
 ``--compile on`` runs every cache eager and compiled (``models/decode_compile``: the backbone's decode steps
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     model = load(args.model).to(dev)
     if args.worker_linears and dev.type == "cpu":
-        from computron.models.cpu_linear import use_cpu_kernels
+        from computron.kernels.cpu.linear import use_cpu_kernels
         use_cpu_kernels(model, pack=True)
     from computron.models.kv_pool import direct_fits
     direct_fits(model.config, dev)  # its attention hook before any compilation, as in a worker (no recompile later)

@@ -32,7 +32,7 @@ the same adapters merged into full checkpoints (``merge_and_unload``). Measured 
   and a swap many steps. On this 2-core CPU with the default threads (one worker thread, a core left to
   the master) a step of 8 costs about 2.5x one and the swap of an opt-125m about two steps, which puts this
   ratio at 2-3; with both cores (``--threads 2``, where Linears of a few rows run weight-first:
-  ``computron/models/cpu_linear.py``) a step of 8 costs 1.7x one and a swap 2.4 steps: about 4.
+  ``computron/kernels/cpu/linear.py``) a step of 8 costs 1.7x one and a swap 2.4 steps: about 4.
 
     .venv/bin/python benchmarks/lora.py                 # opt-125m, 8 adapters of rank 16 (about ten minutes)
     .venv/bin/python benchmarks/lora.py --threads 2     # the same, each engine's one worker on both cores

@@ -197,8 +197,9 @@ def main(argv=None) -> int:
         for name, fields in setups.items():
             cfg = os.path.join(work, f"{name}.yaml")
             with open(cfg, "w") as f:
-                yaml.safe_dump({"models": [{"id": "smol", "path": ckpt, "max_batch_size": max(args.concurrency)}],
-                                "engine": fields}, f)
+                # pinned: the one model never leaves, as vLLM's does not (its CPU Linears packed: pack_cpu_linears)
+                yaml.safe_dump({"models": [{"id": "smol", "path": ckpt, "max_batch_size": max(args.concurrency),
+                                            "pinned": True}], "engine": fields}, f)
             port = free_port()
             servers[name] = start([sys.executable, "-m", "computron", "serve", "--config", cfg, "--port", str(port),
                                    "--log-level", "warning"], f"http://127.0.0.1:{port}",

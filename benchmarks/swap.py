@@ -78,6 +78,10 @@ then ignored), asked to generate one token from a 16-token prompt.
 
 Run: ``python benchmarks/swap.py --size-gb 1`` (from the repo root, or
 ``PYTHONPATH=. python3 -m benchmarks.swap ...``).
+
+``--pack-cpu-linears`` sets ``EngineConfig.pack_cpu_linears`` (field ``pack_cpu_linears``): the default
+'pinned' packs no model here (neither is pinned); ``true`` packs each model's CPU Linears at its first forward
+after every load, which the offload then drops (what the default did before 2026-12-07); ``false`` never packs.
 """
 from __future__ import annotations
 
@@ -236,7 +240,8 @@ async def _drive(engine, n_requests: int, make_input, timeout: float, limit: Cop
 
 def run_engine(mode: str, args, cfgs, make_input, limit: CopyLimit):
     config = EngineConfig(max_loaded=1, paper_mode=(mode == "paper"), overlap=(mode != "fast_no_overlap"),
-                          device=args.device, start_timeout_s=args.start_timeout)
+                          device=args.device, start_timeout_s=args.start_timeout,
+                          pack_cpu_linears=args.pack_cpu_linears)
     log(f"{mode}: starting workers (tp={args.tp}, pp={args.pp}); building two models ...")
     t0 = time.perf_counter()
     engine = LaunchEngine(config, cfgs, tp_world_size=args.tp, pp_world_size=args.pp)
@@ -291,7 +296,10 @@ def parse_args(argv=None):
                    help=f"comma-separated subset of {','.join(MODES)} (fields of a skipped mode are null)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds for workers to build the models")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--pack-cpu-linears", default="pinned", choices=("pinned", "true", "false"),
+                   help="EngineConfig.pack_cpu_linears (CPU: 'true' packs every model's Linears at each load)")
     args = p.parse_args(argv)
+    args.pack_cpu_linears = {"true": True, "false": False}.get(args.pack_cpu_linears, args.pack_cpu_linears)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model != "mlp" and args.model not in zoo.OPT_SHAPES:
@@ -359,7 +367,8 @@ def main(argv=None) -> dict:
     pl, po = paper.get("load_s"), paper.get("offload_s")
     speedup = None if None in (pl, po, load_s, offload_s) else (pl + po) / (load_s + offload_s)
     out = {
-        "model": desc, "dtype": args.dtype, "size_gb": round(total / 1e9, 4), "bytes_per_rank": shard,
+        "model": desc, "dtype": args.dtype, "pack_cpu_linears": args.pack_cpu_linears,
+        "size_gb": round(total / 1e9, 4), "bytes_per_rank": shard,
         "tp": args.tp, "pp": args.pp, "device": args.device, "torch": torch.__version__,
         "repeats": args.repeats,
         "limit_gbps": limit_gbps, "limit_samples": limit.count(*limit_phases),

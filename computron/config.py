@@ -52,22 +52,26 @@ class EngineConfig:
     counted from the last core, none another worker of this host holds), the first core left to the master,
     where the cores suffice for that (``runtime/affinity.py``); 'off': the OS places them, but for a CPU worker
     with helper threads (``cpu_helpers``)."""
-    pack_cpu_linears: bool = True
-    """CPU workers run their models' Linears on weights packed once per load (``models/cpu_linear.py``: in
-    ``models/cpu_gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
-    weights' bytes once more while a model is resident; False keeps ``F.linear`` (and the weight-first
-    product for a few rows)."""
+    pack_cpu_linears: Any = "pinned"
+    """Which models' Linears CPU workers run on weights packed once per residency (``kernels/cpu/linear.py``: in
+    ``kernels/cpu/gemm.py``'s blocks on one intra-op thread, else for oneDNN), at the cost of the Linear
+    weights' bytes once more while the model is resident. 'pinned' (the default): only models pinned when their
+    shard is built (``ModelConfig.pinned``), which never leave the device, so no swap pays for a layout (packs
+    are dropped at each offload and made again at the first forward after each load: see
+    docs/performance.md); True: every model; False: none (``F.linear``, and the weight-first product for a
+    few rows)."""
     cpu_decode_attention: bool = True
-    """CPU workers run a paged decode step's attention straight from the KV pool (``models/cpu_attention.py``,
+    """CPU workers run a paged decode step's attention straight from the KV pool (``kernels/cpu/attention.py``,
     one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
     False keeps the model's own SDPA over the gathered keys."""
     cpu_helpers: bool = True
-    """CPU workers computing on one intra-op thread share their Linears' products with helper threads at idle
-    priority, one per core beyond the workers' (``models/cpu_gemm_source.py``; ``runtime/affinity.py`` counts
-    them): whatever else wants a core (the master, a client) runs first, an idle core takes chunks of the
-    product. A worker with helpers is pinned as ``pin_workers='auto'`` pins, to a core no other worker of the
-    host holds (``runtime/core_claims.py``), and its helpers keep off it. Results are the same bit for bit.
-    False: one thread per worker, as vLLM's CPU worker."""
+    """CPU workers computing on one intra-op thread, where a model runs on packed Linears (``pack_cpu_linears``), share
+    those Linears' products with helper threads at idle priority, one per core beyond the workers'
+    (``kernels/cpu/gemm.c``; ``runtime/affinity.py`` counts them): whatever else wants a core (the master, a
+    client) runs first, an idle core takes chunks of the product. A worker with helpers is pinned as
+    ``pin_workers='auto'`` pins, to a core no other worker of the host holds (``runtime/core_claims.py``), and
+    its helpers keep off it. Results are the same bit for bit. False: one thread per worker, as vLLM's CPU
+    worker."""
     start_method: str = "auto"
     """How spawn mode starts its workers: 'forkserver' (each a fork of multiprocessing's fork server, which
     imported torch and transformers once: later launches in this process skip those imports; spawn where
@@ -223,8 +227,8 @@ class EngineConfig:
             _fail(c, "cpu_decode_attention", self.cpu_decode_attention, "must be True or False")
         if not isinstance(self.cpu_helpers, bool):
             _fail(c, "cpu_helpers", self.cpu_helpers, "must be True or False")
-        if not isinstance(self.pack_cpu_linears, bool):
-            _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True or False")
+        if not (isinstance(self.pack_cpu_linears, bool) or self.pack_cpu_linears == "pinned"):
+            _fail(c, "pack_cpu_linears", self.pack_cpu_linears, "must be True, False or 'pinned'")
         if self.kv_cache not in ("dynamic", "paged"):
             _fail(c, "kv_cache", self.kv_cache, "must be 'dynamic' or 'paged'")
         if self.compile_decode not in ("off", "auto", "on"):
@@ -309,7 +313,8 @@ class ModelConfig:
     mutable_buffers: Sequence[str] = ()
     """Names of buffers a forward changes; only these are copied back on offload."""
     pinned: bool = False
-    """Never evict this model once loaded (it still counts against max_loaded and the device budget)."""
+    """Never evict this model once loaded (it still counts against max_loaded and the device budget). On CPU
+    workers its Linears then run on packed weights (``EngineConfig.pack_cpu_linears='pinned'``, the default)."""
     priority: int = 0
     """Higher goes first when several models wait for a slot, and is evicted last."""
     queue_size: Optional[int] = None

@@ -192,6 +192,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default=None, help="float32/float16/bfloat16 (default: float16 on GPU, else float32)")
     ap.add_argument("--no-overlap", action="store_true", help="ablation: EngineConfig(overlap=False) for ours")
     ap.add_argument("--no-prefetch", action="store_true", help="ablation: EngineConfig(prefetch=False) for ours")
+    ap.add_argument("--pack-cpu-linears", default="pinned", choices=("pinned", "true", "false"),
+                    help="EngineConfig.pack_cpu_linears (CPU; 'true' packs each model's Linears after every load)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per worker (EngineConfig.worker_threads; 0: automatic)")
     ap.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default none)")

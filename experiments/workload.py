@@ -174,6 +174,10 @@ def make_prompt(model_name: str, length: int = 8, seed: int = 0) -> List[int]:
     return [2] + [int(x) for x in rng.integers(4, vocab, size=length - 1)]
 
 
+PACK_CHOICES = {"pinned": "pinned", "true": True, "false": False}
+"""``--pack-cpu-linears`` of the scripts that have it, as ``EngineConfig.pack_cpu_linears``."""
+
+
 def engine_config(mode: str, max_loaded: int, **kw):
     from computron import EngineConfig
     if mode not in ("ours", "paper"):
@@ -188,7 +192,8 @@ def launch_opt(mode: str, model_name: str, n_models: int, max_loaded: int, args)
     from computron import LaunchEngine
     mcs = opt_model_configs(model_name, n_models, args.batch_size, args.dtype)
     cfg = engine_config(mode, max_loaded, worker_threads=args.threads, overlap=not args.no_overlap,
-                        prefetch=not args.no_prefetch)
+                        prefetch=not args.no_prefetch,
+                        pack_cpu_linears=PACK_CHOICES[getattr(args, "pack_cpu_linears", "pinned")])
     t0 = time.perf_counter()
     engine = LaunchEngine(cfg, mcs, tp_world_size=args.tp_world_size, pp_world_size=args.pp_world_size)
     return engine, time.perf_counter() - t0

@@ -24,10 +24,10 @@ def __getattr__(name):
 
 def make_runner(module, model_config, ctx):
     """The runner of ``module``'s kind, holding this rank's shard of it (on a CPU, its Linears on packed
-    weights where ``ctx.pack_linears``, else computing few rows weight-first: ``cpu_linear``)."""
+    weights where ``ctx.pack_linears``, else computing few rows weight-first: ``kernels.cpu.linear``)."""
     runner = _runner_of_kind(module, model_config, ctx)
     if ctx.device.type == "cpu":
-        from .cpu_linear import use_cpu_kernels
+        from ..kernels.cpu.linear import use_cpu_kernels
         use_cpu_kernels(module, pack=ctx.pack_linears)
     return runner
 

@@ -104,7 +104,7 @@ class StageRunner(abc.ABC):
     def release_resident(self) -> int:
         """The model left the device: drop what was derived from its resident weights (packed CPU weights);
         returns the bytes released."""
-        from .cpu_linear import release_packs
+        from ..kernels.cpu.linear import release_packs
         return release_packs(self.module)
 
     def forget_prefixes(self) -> None:

@@ -84,7 +84,7 @@ class DecodeCompiler:
                  eager_first: bool = False):
         self.module = module
         self.eager_first = eager_first
-        """A residency's first decode step runs eagerly (it packs the CPU Linears, ``cpu_linear``, whose packs
+        """A residency's first decode step runs eagerly (it packs the CPU Linears, ``kernels.cpu.linear``, whose packs
         the compiled step then reads)."""
         self.graphs = graphs
         self.device_type = torch.device(device).type

@@ -322,7 +322,7 @@ def direct_fits(config, device: torch.device, enabled: bool = True) -> bool:
     if getattr(config, "model_type", None) not in DIRECT_FAMILIES \
             or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    from . import cpu_attention
+    from ..kernels.cpu import attention as cpu_attention
     if not cpu_attention.available():
         return False
     _install()
@@ -336,7 +336,7 @@ def _install() -> None:
     if getattr(current, "computron_direct", False):
         return
 
-    from .cpu_attention import decode, paged_decode
+    from ..kernels.cpu.attention import decode, paged_decode
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         step, _PENDING[0] = _PENDING[0], None

@@ -18,7 +18,7 @@ load). Entries of any other kind, a pattern, or a module that is no plain Linear
 so does the whole plan where one of its entries may hand a DTensor on.
 Inputs and outputs are what the hooks made of them: a column-parallel Linear takes the whole input and
 returns its slice of the output features, a row-parallel one takes its slice of the input features and
-returns the whole output. Their matmul is ``cpu_linear.linear``'s (``F.linear``, but on a packed weight or,
+returns the whole output. Their matmul is ``kernels.cpu.linear.linear``'s (``F.linear``, but on a packed weight or,
 for a few rows on a multi-threaded CPU, weight-first).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch_compat import forward_hook_ids, local_tensor, remove_forward_hooks_since
-from . import cpu_linear
+from ..kernels.cpu import linear as cpu_linear
 
 
 class ColumnParallelLinear(nn.Linear):

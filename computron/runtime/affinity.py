@@ -42,7 +42,7 @@ MAX_HELPERS = 4
 
 def helper_count(enabled: bool, cores: int, local_world: int, threads: int) -> int:
     """How many helper threads each of ``local_world`` CPU workers starts for its products
-    (``models/cpu_gemm``): only workers of one intra-op thread have them (with more, oneDNN's threads do the
+    (``kernels/cpu/gemm.py``): only workers of one intra-op thread have them (with more, oneDNN's threads do the
     work), one per core beyond the workers' own (the master's included: they run at idle priority, so the
     master's event loop always comes first), shared out evenly, at most ``MAX_HELPERS``."""
     if not enabled or threads != 1 or local_world < 1:

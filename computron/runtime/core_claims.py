@@ -1,10 +1,10 @@
 """Owner: which cores of this host the pinned workers running on it hold, one lock file per core.
 
 A worker pinned to a core (``EngineConfig.pin_workers``, or a CPU worker with helpers) takes an exclusive
-``flock`` on ``core-<n>.lock`` in a folder of this host's temporary directory and keeps it while it lives (the
-kernel drops it when the process ends, however it ends: nothing to clean up). A second engine on the same host
-then pins its worker to another core, or to none, instead of onto the first one's, where the two would take
-turns; and a worker's helpers keep to the cores no worker holds.
+``flock`` on ``core-<n>.lock`` in a folder of this host's temporary directory (or the one ``CLAIMS_ENV`` names)
+and keeps it while it lives (the kernel drops it when the process ends, however it ends: nothing to clean up). A
+second engine on the same host then pins its worker to another core, or to none, instead of onto the first one's,
+where the two would take turns; and a worker's helpers keep to the cores no worker holds.
 """
 from __future__ import annotations
 
@@ -20,8 +20,13 @@ _HELD: Dict[int, int] = {}
 """core -> the open file descriptor whose lock this process holds."""
 
 
+CLAIMS_ENV = "COMPUTRON_CORE_CLAIMS_DIR"
+"""Names the folder of the claims instead: engines given different folders never see each other's claims (a
+test's engine does not yield to one another test runs beside it on the same host)."""
+
+
 def claims_dir() -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"computron-cores-{os.getuid()}")
+    folder = os.environ.get(CLAIMS_ENV) or os.path.join(tempfile.gettempdir(), f"computron-cores-{os.getuid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     return folder
 

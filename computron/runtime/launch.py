@@ -34,6 +34,7 @@ from ..config import EngineConfig, ModelConfig, check_model_configs, check_world
 from ..engine import Engine
 from ..engine.budget import check_memory
 from ..errors import LaunchError
+from ..worker.shard_builder import packs_linears
 from ..worker.worker import Worker
 from .spawned import SpawnedWorkers
 from .prefetch import prefetch_startup
@@ -93,7 +94,8 @@ def _worker_main(rank: int, local_rank: int, local_world: int, layout: Layout, c
     try:
         device = device_for(config, local_rank, local_world)
         # before torch starts its intra-op threads (they inherit the pinning)
-        pin_and_lend(config, device, local_rank, local_world, threads, layout.n_workers)
+        pin_and_lend(config, device, local_rank, local_world, threads, layout.n_workers,
+                     packs=any(packs_linears(config, mc) for mc in model_configs))
         torch.set_num_threads(threads)
         join_rendezvous(addr, port, rank, layout.world_size, config.rendezvous_timeout_s)
         groups = Groups(layout, rank, config.resolved_backend(), timedelta(seconds=config.death_timeout_s))

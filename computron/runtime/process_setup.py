@@ -188,16 +188,17 @@ def usable_cores() -> List[int]:
 
 
 def pin_and_lend(config: EngineConfig, device: torch.device, local_rank: int, local_world: int,
-                 threads: int, world: int) -> int:
+                 threads: int, world: int, *, packs: bool) -> int:
     """Pin this worker where ``EngineConfig.pin_workers`` says so or where it gets helper threads
     (``EngineConfig.cpu_helpers``: they need the worker to keep its core), to cores no other worker of this host
     holds (``core_claims``), and start the helpers on the cores left; returns how many helpers run. Only an
-    engine whose ranks are all on this host (``world`` of them) gets helpers: ranks of other nodes, maybe on
-    this host too, would wait on a pinned worker whose core is busy. Where its cores are taken, it is neither
-    pinned nor helped (one INFO line says so)."""
+    engine whose ranks are all on this host (``world`` of them) and some of whose models run on packed Linears
+    (``packs``: the helpers share only packed products) gets helpers: ranks of other nodes, maybe on this host
+    too, would wait on a pinned worker whose core is busy. Where its cores are taken, it is neither pinned nor
+    helped (one INFO line says so)."""
     from . import affinity, core_claims
     cores = usable_cores()
-    enabled = device.type == "cpu" and config.cpu_helpers and config.pack_cpu_linears
+    enabled = device.type == "cpu" and config.cpu_helpers and packs
     helpers = affinity.helper_count(enabled and local_world == world, len(cores), local_world, threads)
     wanted = "auto" if helpers else config.pin_workers
     if not hasattr(os, "sched_setaffinity") or affinity.worker_cores(wanted, cores, local_rank, local_world,
@@ -212,5 +213,5 @@ def pin_and_lend(config: EngineConfig, device: torch.device, local_rank: int, lo
     where = affinity.helper_cores(helpers, cores, mine, [c for c in cores if core_claims.held_elsewhere(c)])
     if not where:
         return 0
-    from ..models import cpu_gemm
+    from ..kernels.cpu import gemm as cpu_gemm
     return cpu_gemm.lend_cores(min(helpers, len(where)), where)

@@ -42,6 +42,14 @@ BUILD_SWITCH_INTERVAL_S = 2e-4
 """The GIL switch interval while a model is built beside the command loop (Python's default is 5 ms)."""
 
 
+def packs_linears(config: EngineConfig, mc: ModelConfig) -> bool:
+    """Whether a CPU rank runs this model's Linears on packed weights (``EngineConfig.pack_cpu_linears``): with
+    'pinned', only a model pinned as its shard is built, which never leaves the device. A model that swaps keeps
+    its weights as the load copies them: a pack would be dropped at each offload and made again at the first
+    forward after each load, a layout every swap pays for."""
+    return config.pack_cpu_linears is True or (config.pack_cpu_linears == "pinned" and mc.pinned)
+
+
 @dataclass
 class BuiltShard:
     runner: StageRunner
@@ -78,7 +86,7 @@ class ShardBuilder:
         ctx = StageContext(groups=self.groups, device=self.device, model_id=mid,
                            scatter_from=None if while_serving else 0, kv_cache=self.config.kv_cache,
                            kv_block_size=self.config.kv_block_size, kv_reserve=self.config.kv_reserve,
-                           pack_linears=self.config.pack_cpu_linears, prefix_cache=self.config.prefix_cache,
+                           pack_linears=packs_linears(self.config, mc), prefix_cache=self.config.prefix_cache,
                            compile_decode=self.config.compile_decode,
                            cpu_attention=self.config.cpu_decode_attention)
         runner, source = self._from_checkpoint(mid, mc, ctx)

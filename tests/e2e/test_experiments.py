@@ -421,7 +421,8 @@ def test_cpu_kernels_benchmark_quick_path():
     """benchmarks/cpu_kernels.py --quick: each built kernel timed against its torch operator at every case, the
     ratios those of the times, the matmul's verdict on this machine reported, the threads given back."""
     import torch
-    from computron.models import cpu_attention, cpu_gemm
+    from computron.kernels.cpu import attention as cpu_attention
+    from computron.kernels.cpu import gemm as cpu_gemm
     before = torch.get_num_threads()
     doc, _ = run_main(os.path.join(ROOT, "benchmarks", "cpu_kernels.py"), "--quick")
     assert torch.get_num_threads() == before
@@ -444,7 +445,7 @@ def test_cpu_linear_benchmark_quick_path():
     """benchmarks/cpu_linear.py at opt-tiny: every form timed at each thread count and row count, the ratios are
     those of the times it reports, the swapped (weight-first and packed) Linears pick the plain ones' greedy
     tokens, and the script gives back the threads it set."""
-    from computron.models.cpu_linear import packing_available
+    from computron.kernels.cpu.linear import packing_available
     import torch
     before = torch.get_num_threads()
     doc, _ = run_main(os.path.join(ROOT, "benchmarks", "cpu_linear.py"), "--quick")

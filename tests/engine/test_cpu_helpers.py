@@ -1,4 +1,4 @@
-"""Helper threads of the CPU block matmul (``models/cpu_gemm_source.py``, ``EngineConfig.cpu_helpers``), each
+"""Helper threads of the CPU block matmul (``kernels/cpu/gemm.c``, ``EngineConfig.cpu_helpers``), each
 piece in a process of its own (helpers and core claims last as long as their process):
 
 - products shared with a helper equal the same products computed alone bit for bit (row counts across the
@@ -19,14 +19,14 @@ import tempfile
 import pytest
 
 from computron import EngineConfig, LaunchEngine, ModelConfig, loading, zoo
-from computron.models import cpu_gemm
+from computron.kernels.cpu import gemm as cpu_gemm
 from computron.runtime.affinity import helper_count
 from computron.runtime.process_setup import usable_cores
 
 SCRIPT = r'''
 import gc, time, weakref
 import torch
-from computron.models import cpu_gemm
+from computron.kernels.cpu import gemm as cpu_gemm
 torch.set_num_threads(1)
 gen = torch.Generator().manual_seed(0)
 cases = []
@@ -111,10 +111,15 @@ MAX_TOKENS = 12
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not helper_count(True, len(usable_cores()), 1, 1), reason="no core beyond the worker's")
-def test_a_worker_with_a_helper_serves_transformers_tokens(smollm2_gguf, gguf_cache, tmp_path):
+def test_a_worker_with_a_helper_serves_transformers_tokens(smollm2_gguf, gguf_cache, tmp_path, monkeypatch):
+    """A pinned model's Linears run packed (``EngineConfig.pack_cpu_linears='pinned'``), their products shared
+    with the helper; the core claims are this test's own (``core_claims.CLAIMS_ENV``, which the worker inherits),
+    so an engine another test runs beside it on this host cannot hold the core the worker would claim."""
+    from computron.runtime import core_claims
     from computron.storage import gguf
+    monkeypatch.setenv(core_claims.CLAIMS_ENV, str(tmp_path / "claims"))
     converted = gguf.convert(smollm2_gguf)
-    mc = ModelConfig("smol", loading.load_causal_lm, {"path": converted}, checkpoint=converted)
+    mc = ModelConfig("smol", loading.load_causal_lm, {"path": converted}, checkpoint=converted, pinned=True)
     config = EngineConfig(start_timeout_s=300, log_dir=str(tmp_path), kv_cache="paged", worker_threads=1)
 
     async def serve():

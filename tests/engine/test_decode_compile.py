@@ -68,7 +68,8 @@ def _serve(runner):
 
 @pytest.mark.parametrize("kv_cache,direct", [("dynamic", False), ("paged", True), ("paged", False)])
 def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, direct, monkeypatch):
-    from computron.models import cpu_attention, cpu_linear
+    from computron.kernels.cpu import attention as cpu_attention
+    from computron.kernels.cpu import linear as cpu_linear
     monkeypatch.setattr(cpu_linear, "PACK_MIN", 0)  # llama-tiny's Linears packed too, as a real model's are
     model = random_causal_lm("llama-tiny", seed=0)
     ctx = StageContext(OneRank(), torch.device("cpu"), "m", scatter_from=None, kv_cache=kv_cache,
@@ -81,7 +82,7 @@ def test_compiled_decode_equals_generate_and_is_released(one_group, kv_cache, di
     assert runner.decode.enabled and not runner.decode.failed, "compiled on, and no fallback to eager"
     assert runner.decode.active and runner.decode.compiles == 1, "compiled once, lazily, and held"
     op = {cpu_linear.BLOCKED: "computron::block_linear", cpu_linear.ONEDNN: "computron::packed_linear"}
-    packs = cpu_linear.packing_available() or cpu_linear.cpu_gemm.available()
+    packs = cpu_linear.packing_available() or cpu_linear.gemm.available()
     assert not packs or op[cpu_linear.pack_kind()] in ops, \
         "the compiled step runs the Linears on the packs (one opaque operator each)"
     in_place = direct and cpu_attention.available()

@@ -3,7 +3,8 @@ scattered slots), and a machine without a compiler falls back with one warning."
 import pytest
 import torch
 
-from computron.models import cpu_attention, kv_pool
+from computron.models import kv_pool
+from computron.kernels.cpu import attention as cpu_attention
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
 
@@ -35,7 +36,7 @@ def test_a_query_laid_out_as_the_attention_layers_give_it():
 
 
 def test_no_compiler_means_unavailable_one_warning_and_no_direct_path(monkeypatch, tmp_path, caplog):
-    from computron.models import cpu_kernels
+    from computron.kernels.cpu import build as cpu_kernels
     from transformers import LlamaConfig
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))

@@ -1,4 +1,4 @@
-"""The CPU block matmul (``models/cpu_gemm.py``): built once per machine into the cache, equal to ``F.linear`` to
+"""The CPU block matmul (``kernels/cpu/gemm.py``): built once per machine into the cache, equal to ``F.linear`` to
 float rounding for every row count its tiles take (1-8 rows, several tiles, one block or an odd one left,
 output features not a multiple of 16, with and without a bias), used only where it was timed faster than
 ``F.linear`` on this machine (the verdict kept beside the build), and never an error where it cannot build."""
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from computron.models import cpu_gemm, cpu_kernels
+from computron.kernels.cpu import gemm as cpu_gemm
+from computron.kernels.cpu import build as cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.built(), reason="the kernel does not build here (see its log)")
 
@@ -106,3 +107,18 @@ def test_a_cache_that_cannot_keep_the_verdict_still_decides(monkeypatch, tmp_pat
     finally:
         cpu_gemm._kernel.cache_clear()
         cpu_gemm._wins.cache_clear()
+
+
+@needs_kernel  # a C compiler is there
+@pytest.mark.parametrize("undefine", [[], ["-U__linux__"]], ids=["linux", "not_linux"])
+def test_the_shipped_source_compiles_with_and_without_helpers(tmp_path, undefine):
+    """The ``.c`` file read as package data compiles on Linux (with the helper threads) and with the branch
+    other platforms take (no helpers: the same exported functions, each defined once)."""
+    import shutil
+    import subprocess
+    src = tmp_path / "gemm.c"
+    src.write_text(cpu_gemm._SOURCE)
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    proc = subprocess.run([cc, "-fsyntax-only", "-Werror=implicit-function-declaration", *undefine, str(src)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

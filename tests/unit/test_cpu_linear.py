@@ -1,4 +1,4 @@
-"""CPU Linears (``models/cpu_linear.py``): the packed and the weight-first products equal ``F.linear`` to float
+"""CPU Linears (``kernels/cpu/linear.py``): the packed and the weight-first products equal ``F.linear`` to float
 rounding in every shape they take, ``linear`` picks them only where its rules say, a packed weight is made
 once per load and again when the weight changes, and the class swap keeps the modules, their hooks and what
 they compute."""
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from computron.models import cpu_linear
-from computron.models.cpu_linear import (FewRowLinear, linear, packed_bytes, packing_available, release_packs,
-                                        use_cpu_kernels, weight_first)
+from computron.kernels.cpu import linear as cpu_linear
+from computron.kernels.cpu.linear import (FewRowLinear, linear, packed_bytes, packing_available, release_packs,
+                                          use_cpu_kernels, weight_first)
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ class OneRank:
 @pytest.fixture
 def pack_any_size(monkeypatch):
     """Pack the small weights of these tests too (the engine packs from ``PACK_MIN`` elements)."""
-    from computron.models import cpu_linear
+    from computron.kernels.cpu import linear as cpu_linear
     monkeypatch.setattr(cpu_linear, "PACK_MIN", 0)
 
 
@@ -146,7 +146,7 @@ def test_packed_equals_f_linear_in_every_shape(shape, bias, n_threads, threads, 
         out = lin(x)
         assert packed_bytes(lin) == 96 * 48 * 4
         assert lin.packed_kind == cpu_linear.pack_kind()
-        assert (lin.packed_kind == cpu_linear.BLOCKED) == (n_threads == 1 and cpu_linear.cpu_gemm.available())
+        assert (lin.packed_kind == cpu_linear.BLOCKED) == (n_threads == 1 and cpu_linear.gemm.available())
         torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         strided = torch.randn(shape[0], 96)[:, ::2]  # a non-contiguous input
         torch.testing.assert_close(lin(strided), F.linear(strided, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
@@ -181,7 +181,7 @@ def test_packing_stays_out_of_autograd_and_of_other_dtypes(pack_any_size):
 
 @needs_onednn
 def test_a_weight_under_pack_min_keeps_f_linear_and_one_at_it_packs():
-    from computron.models.cpu_linear import PACK_MIN
+    from computron.kernels.cpu.linear import PACK_MIN
     small, big = _packed_linear(64, 64), _packed_linear(PACK_MIN // 50, 50)
     with torch.no_grad():
         for lin in (small, big):
@@ -190,7 +190,7 @@ def test_a_weight_under_pack_min_keeps_f_linear_and_one_at_it_packs():
     assert packed_bytes(small) == 0 and packed_bytes(big) == PACK_MIN * 4
 
 
-needs_blocks = pytest.mark.skipif(not cpu_linear.cpu_gemm.available(),
+needs_blocks = pytest.mark.skipif(not cpu_linear.gemm.available(),
                                   reason="cpu_gemm's kernel is not built or loses to F.linear here")
 
 
@@ -206,7 +206,7 @@ def test_a_blocked_weight_is_called_the_short_way_only_where_it_applies(threads,
     with torch.inference_mode():
         lin(torch.randn(1, 32))
         call = lin.__dict__["_computron_call"]
-        assert isinstance(call, cpu_linear.cpu_gemm.Call)
+        assert isinstance(call, cpu_linear.gemm.Call)
         for shape in [(1, 32), (8, 32), (2, 7, 32), (64, 32), (65, 32), (0, 32)]:
             x = torch.randn(*shape)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
@@ -232,3 +232,21 @@ def test_a_weight_whose_blocks_are_padded_keeps_the_long_way(threads, pack_any_s
         x = torch.randn(3, 32)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert lin.__dict__["_computron_call"] is None and lin.packed_kind == cpu_linear.BLOCKED
+
+
+@pytest.mark.parametrize("pack,pinned,packs", [("pinned", False, False), ("pinned", True, True), (True, False, True),
+                                               (False, True, False)])
+def test_a_shard_packs_its_linears_only_where_the_model_never_leaves(pack, pinned, packs, pack_any_size):
+    """``EngineConfig.pack_cpu_linears``, as a worker builds a shard: the default ('pinned') packs a pinned
+    model's Linears only; a model that swaps keeps its weights as the load copies them (no layout to rebuild
+    after each load); True packs every model, False none."""
+    from computron import EngineConfig, ModelConfig, zoo
+    from computron.kernels.cpu import gemm
+    from computron.storage.memory import DevicePool
+    from computron.worker.shard_builder import ShardBuilder
+    cpu = torch.device("cpu")
+    builder = ShardBuilder(0, OneRank(), cpu, EngineConfig(pack_cpu_linears=pack), DevicePool(cpu), None, None)
+    mc = ModelConfig("m", zoo.random_causal_lm, {"name": "opt-tiny", "seed": 0}, pinned=pinned)
+    runner = builder.build("m", mc, host_room=lambda nbytes: True).runner
+    linears = [m for m in runner.module.modules() if getattr(type(m), "uses_cpu_linear", False)]
+    assert linears and {m.pack_weights for m in linears} == {packs and (packing_available() or gemm.available())}

@@ -1,10 +1,10 @@
-"""RMS norms as one operator (``models/cpu_norm.py``): swapped only where their class computes
+"""RMS norms as one operator (``kernels/cpu/norm.py``): swapped only where their class computes
 ``F.rms_norm`` bit for bit, and then giving the same results; Gemma's norm and other formulas keep theirs."""
 import torch
 from torch import nn
 
-from computron.models import cpu_norm
-from computron.models.cpu_norm import FusedRMSNorm, use_fused_norms
+from computron.kernels.cpu import norm as cpu_norm
+from computron.kernels.cpu.norm import FusedRMSNorm, use_fused_norms
 
 
 def _norm(cls, width=24, eps=1e-5):

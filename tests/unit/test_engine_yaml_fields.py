@@ -14,5 +14,5 @@ def test_bare_on_and_off_mean_the_strings_and_other_values_still_fail_by_name():
     assert parse_engine(yaml.safe_load("compile_decode: off"))[0].compile_decode == "off"
     with pytest.raises(ConfigError, match=r"engine.pin_workers='on': must be 'off' or 'auto'"):
         parse_engine(yaml.safe_load("pin_workers: on"))
-    with pytest.raises(ConfigError, match=r"engine.pack_cpu_linears='yes': must be True or False"):
+    with pytest.raises(ConfigError, match=r"engine.pack_cpu_linears='yes': must be True, False or 'pinned'"):
         parse_engine({"pack_cpu_linears": "yes"})

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from family_configs import FAMILIES  # noqa: E402
 
-from computron.models import cpu_attention, kv_pool  # noqa: E402
+from computron.models import kv_pool  # noqa: E402
+from computron.kernels.cpu import attention as cpu_attention  # noqa: E402
 from computron.models.paged_running import PagedBatch  # noqa: E402
 from computron.testing.zoo import reference_generate  # noqa: E402
 

@@ -43,7 +43,7 @@ def _candidate(module: nn.Module) -> bool:
     if not cls.__name__.endswith("RMSNorm") or not cls.__module__.startswith("transformers.") \
             or _eps(module) is None:
         return False
-    from .._torch_compat import local_tensor
+    from ..._torch_compat import local_tensor
     params = dict(module.named_parameters(recurse=False))
     return (list(params) == ["weight"] and local_tensor(params["weight"]) is params["weight"]
             and params["weight"].dim() == 1 and not list(module.buffers())

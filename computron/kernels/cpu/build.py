@@ -1,4 +1,4 @@
-"""Owner: building and loading this package's C kernels for CPUs (``cpu_gemm``, ``cpu_attention``).
+"""Owner: building and loading the C kernels of CPUs (``gemm``, ``attention``; their sources: the ``.c`` files here).
 
 Each kernel's C source is compiled once per machine with the system C compiler (``-O3 -march=native``) into
 ``$COMPUTRON_CACHE_DIR/kernels`` (default ``~/.cache/computron/kernels``), named by a hash of the source, the

@@ -1,7 +1,7 @@
 """A matmul of a few rows on a CPU that streams each weight once, built on first use with the system C compiler.
 
 A decode step multiplies one row per sequence by every weight of the model: it is a read of the weights,
-and its speed is the memory's. oneDNN's packed product (``cpu_linear``'s other kernel) read SmolLM2's
+and its speed is the memory's. oneDNN's packed product (``linear``'s other kernel) read SmolLM2's
 weights at 12-14 GB/s on one core of this machine where a plain sum over them reads 22-24 GB/s. This kernel
 keeps a weight in blocks of 16 output features, ``[N / 16, K, 16]`` (each block's 16 weights of one input
 feature side by side), and, for a tile of activation rows, adds ``x[m, k] * block[k]`` into one 16-wide
@@ -16,13 +16,13 @@ against 55 and 77 ms on oneDNN's packs; on an AVX2 EPYC (2026-12-07) 50-52 and 7
 (``benchmarks/cpu_kernels.py``: one product of 8 rows by the LM head took them 8.6x F.linear's time, now
 0.44x). So a build is timed against ``F.linear`` once (``_wins``) and used only where it is faster.
 
-The C source (``cpu_gemm_source``) is compiled once per machine by ``cpu_kernels`` (GCC's vector extensions:
+The C source (``gemm.c``) is compiled once per machine by ``build`` (GCC's vector extensions:
 no intrinsics, so any target builds it). Before first use its result is compared with ``F.linear``; where there is no
 compiler, the build fails, the check does or the kernel loses the timing, ``available()`` is False (one
-WARNING says why) and ``cpu_linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
+WARNING says why) and ``linear`` keeps oneDNN or ``F.linear``: a CPU without it still serves. The kernel
 is used where a worker computes on one intra-op thread (this machine's default); ``lend_cores`` gives it
 helper threads of idle priority on the cores no worker holds (``EngineConfig.cpu_helpers``), which take
-chunks of a product's blocks while their core is free (their protocol: ``cpu_gemm_source``). Two cores of
+chunks of a product's blocks while their core is free (their protocol: ``gemm.c``). Two cores of
 this machine's memory read ~30 GB/s together where one reads ~20, so a product of one row gets ~1.3-1.5x
 faster with one helper and one of 8-9 rows, more bound by the arithmetic, ~1.4-1.9x; the results are the
 same bit for bit.
@@ -33,12 +33,12 @@ import ctypes
 import functools
 import logging
 import time
+from importlib import resources
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import cpu_kernels
-from .cpu_gemm_source import SOURCE
+from . import build
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,15 @@ BLOCK = 16
 MAX_ROWS = 64
 """The most activation rows computed here (the largest row count measured to win); more go to ``F.linear``."""
 
-_SOURCE = SOURCE
+_SOURCE = resources.files(__package__).joinpath("gemm.c").read_text()
+"""The kernel's C source, shipped beside this module (``gemm.c``)."""
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The compiled function, checked against ``F.linear``, or None (with one WARNING saying why)."""
     try:
-        fn = cpu_kernels.load("block_matmul", _SOURCE, "computron_block_matmul",
+        fn = build.load("block_matmul", _SOURCE, "computron_block_matmul",
                               [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4)
         fn.restype = ctypes.c_long  # 0, or the job a helper thread may still read (``_keep``)
         _self_check(fn)
@@ -110,7 +111,7 @@ def _wins() -> bool:
     (``time_against_torch``), the verdict kept beside the library. On one machine its 16-float tiles took 0.6x
     oneDNN's time, on another (AVX2) they spilled their registers and took 8-10x ``F.linear``'s until they
     got tiles of their own: a kernel that loses is never used."""
-    path = cpu_kernels.build("block_matmul", _SOURCE) + ".timed"
+    path = build.build("block_matmul", _SOURCE) + ".timed"
     try:
         with open(path) as f:
             verdict = f.read().strip()
@@ -120,7 +121,7 @@ def _wins() -> bool:
                    f"{theirs * 1e3:.2f} ms ({' and '.join(map(str, TRIAL_ROWS))} rows by a "
                    f"{TRIAL_WEIGHT[0]}x{TRIAL_WEIGHT[1]} weight, one thread)")
         try:
-            cpu_kernels.write_beside(path, verdict)
+            build.write_beside(path, verdict)
         except OSError as exc:  # a cache it cannot write to: timed again by the next process
             log.info("the CPU block matmul kernel's timing is not kept (%s)", exc)
     (log.info if verdict.startswith("wins") else log.warning)(
@@ -166,9 +167,9 @@ def _run(fn, x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor
 
 
 class Call(NamedTuple):
-    """The kernel's call on one blocked weight, what ``cpu_linear.FewRowLinear`` runs per product in eager
+    """The kernel's call on one blocked weight, what ``linear.FewRowLinear`` runs per product in eager
     steps (gradients off, not compiling): everything ``matmul`` derives at each call, derived once. ``key``
-    names the weight it was blocked from (``cpu_linear.packed_weight``'s); a call on anything else returns
+    names the weight it was blocked from (``linear.packed_weight``'s); a call on anything else returns
     None (the caller takes the long way, which packs again or falls back)."""
     key: tuple
     fn: object
@@ -207,7 +208,7 @@ class Call(NamedTuple):
 
 _HELD: List[Tuple[int, tuple]] = []
 """``(job, tensors)`` a helper thread may still be reading: the product took a chunk back from it (the
-helpers' protocol: ``cpu_gemm_source``). Kept alive until no helper is inside that job."""
+helpers' protocol: ``gemm.c``). Kept alive until no helper is inside that job."""
 
 
 def _keep(job: int, *tensors) -> None:
@@ -219,7 +220,7 @@ def _keep(job: int, *tensors) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _library():
-    lib = ctypes.CDLL(cpu_kernels.build("block_matmul", _SOURCE))
+    lib = ctypes.CDLL(build.build("block_matmul", _SOURCE))
     lib.computron_gemm_lend.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.computron_gemm_lend.restype = ctypes.c_int
     lib.computron_gemm_inside.argtypes = [ctypes.c_long]

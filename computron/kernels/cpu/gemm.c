@@ -1,15 +1,12 @@
-"""The C source of ``cpu_gemm``'s block matmul: its register tiles per vector width, and the helper threads.
+/* The block matmul of ``gemm.py``: its register tiles per vector width, and the helper threads.
 
-Kept apart from ``cpu_gemm`` (which builds, checks, times and calls it) because it is a program of its own.
-The tiles are described in ``cpu_gemm``'s docstring. The helpers (``computron_gemm_lend``, Linux only) are
-threads of the worker process at idle priority (``SCHED_IDLE``: whatever else wants their core runs first)
-on the cores no worker holds; a product of at least ``MIN_BLOCKS`` blocks is shared with them chunk by chunk,
-each output block computed by the same tile code as alone (the same sums: results equal bit for bit), and a
-chunk a helper has not finished when the caller runs out of work is computed by the caller again, so a
-helper set aside by the scheduler never delays the product; the source's comment says how.
-"""
-
-SOURCE = r"""
+   Kept apart from ``gemm.py`` (which builds, checks, times and calls it) because it is a program of its own.
+   The tiles are described in ``gemm.py``'s docstring. The helpers (``computron_gemm_lend``, Linux only) are
+   threads of the worker process at idle priority (``SCHED_IDLE``: whatever else wants their core runs first)
+   on the cores no worker holds; a product of at least ``MIN_BLOCKS`` blocks is shared with them chunk by chunk,
+   each output block computed by the same tile code as alone (the same sums: results equal bit for bit), and a
+   chunk a helper has not finished when the caller runs out of work is computed by the caller again, so a
+   helper set aside by the scheduler never delays the product; the source's comment says how. */
 #define _GNU_SOURCE
 #include <string.h>
 
@@ -331,8 +328,6 @@ long computron_block_matmul(const float* x, const float* w, const float* b, floa
 }
 #else
 int computron_gemm_lend(int n, const int* cpus, int ncpus) { return 0; }
-void computron_gemm_slow_helpers(long ns) { slow_ns = ns; }
-
 int computron_gemm_inside(long job) { return 0; }
 void computron_gemm_slow_helpers(long ns) {}
 long computron_block_matmul(const float* x, const float* w, const float* b, float* y,
@@ -341,6 +336,3 @@ long computron_block_matmul(const float* x, const float* w, const float* b, floa
   return 0;
 }
 #endif
-"""
-
-__all__ = ["SOURCE"]

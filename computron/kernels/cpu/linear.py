@@ -1,11 +1,12 @@
-"""Linears on a CPU: weights packed once (``cpu_gemm``'s blocks or oneDNN's), else a few rows weight-first.
+"""Linears on a CPU: weights packed once (``gemm``'s blocks or oneDNN's), else a few rows weight-first.
 
 A Linear computes ``x @ W^T`` for activations ``x`` of ``M`` rows: one row per sequence in a decode step, a
 few dozen in a short prefill. For such ``M`` the BLAS behind ``F.linear`` in torch's CPU wheels (MKL) reads
 the weight in its stored layout at every call and spreads the work poorly over threads.
 
-Packed (the default for a float32 weight): the first call after a load lays the weight out once, in
-``cpu_gemm``'s blocks of 16 output features where a worker computes on one intra-op thread and that kernel
+Packed (a float32 weight of a model that packs: ``EngineConfig.pack_cpu_linears``, by default a pinned one,
+which never leaves the device): the first call after a load lays the weight out once, in
+``gemm``'s blocks of 16 output features where a worker computes on one intra-op thread and that kernel
 builds (its docstring has the figures: a decode step of SmolLM2 0.6-0.65x oneDNN's time), else in oneDNN's
 blocked format (``torch.ops.mkldnn._reorder_linear_weight``), and every call then
 runs oneDNN's matmul on it (``_linear_pointwise``), as vLLM's CPU backend does. One layout, made for
@@ -21,11 +22,11 @@ Weight-first (where packing is off or unavailable): with more than one intra-op 
 ``2 <= M <= MAX_ROWS``, ``(W @ x^T)^T`` (the bias added by the same ``addmm``), returned contiguous as
 ``F.linear`` would; in the same run, with two threads, that took 0.39-1.07x as long as ``x @ W^T`` for
 opt-125m's Linears at 2 to 64 rows (most at 2 and 4). Everywhere else, on every other device and inside a
-compiled trace (``decode_compile``: inductor picks its own kernel), it is ``F.linear``. Either way the sums
+compiled trace (``models.decode_compile``: inductor picks its own kernel), it is ``F.linear``. Either way the sums
 are the same products in another order: results agree with ``F.linear`` to float rounding, as a batched row
 already differs from the same row computed alone.
 
-Once a weight is blocked, its Linear keeps the kernel's call (``cpu_gemm.Call``) and takes it first in
+Once a weight is blocked, its Linear keeps the kernel's call (``gemm.Call``) and takes it first in
 inference: what ``linear`` checks and derives at every product is checked once per pack, and a call costs
 11.5 us where it cost 16.8 (one row by a 192 x 576 weight, one thread: a decode step of SmolLM2 makes 211).
 
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemm
+from . import gemm
 
 MAX_ROWS = 64
 """The most rows computed weight-first: the largest row count measured; a longer prefill keeps ``F.linear``."""
@@ -56,7 +57,7 @@ microseconds (opt-tiny's 64 x 64 to 512 x 64: 15-44 us packed against 3-35 us; f
 requests per second (89 against 107, two runs each; ``benchmarks/data/burst_cpu_before_after_2026-12-04.jsonl``)."""
 
 _PACK = "_computron_packed"
-_CALL = "_computron_call"  # the blocked kernel's call on this pack (``cpu_gemm.Call``), for ``FewRowLinear``
+_CALL = "_computron_call"  # the blocked kernel's call on this pack (``gemm.Call``), for ``FewRowLinear``
 
 
 def packing_available() -> bool:
@@ -74,10 +75,10 @@ BLOCKED, ONEDNN = "blocked", "onednn"
 
 
 def pack_kind() -> str:
-    """The layout a weight is packed in now: ``cpu_gemm``'s blocks where its kernel runs (one intra-op thread:
+    """The layout a weight is packed in now: ``gemm``'s blocks where its kernel runs (one intra-op thread:
     it is single-threaded) or where oneDNN is missing, else oneDNN's."""
     one = torch.get_num_threads() == 1 or not packing_available()
-    return BLOCKED if one and cpu_gemm.available() else ONEDNN
+    return BLOCKED if one and gemm.available() else ONEDNN
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -95,11 +96,11 @@ def packed_weight(holder: nn.Module, weight: torch.Tensor) -> Tuple[str, torch.T
     if held is None or held[0] != key:
         kind = pack_kind()
         w = weight.detach()
-        held = (key, kind, cpu_gemm.block(w) if kind == BLOCKED else
+        held = (key, kind, gemm.block(w) if kind == BLOCKED else
                 torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
         holder.__dict__[_PACK] = held
         holder.packed, holder.packed_kind = held[2], kind
-        holder.__dict__[_CALL] = cpu_gemm.Call.of(key, held[2], weight.shape[0]) if kind == BLOCKED else None
+        holder.__dict__[_CALL] = gemm.Call.of(key, held[2], weight.shape[0]) if kind == BLOCKED else None
     return held[1], held[2]
 
 
@@ -119,8 +120,8 @@ def _(x, packed, bias, out_features):
 @torch.library.custom_op("computron::block_linear", mutates_args=())
 def block_linear(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
                  out_features: int) -> torch.Tensor:
-    """``cpu_gemm``'s product on a blocked weight, as one opaque operator inside a compiled step."""
-    return cpu_gemm.matmul(x, blocked, bias, out_features)
+    """``gemm``'s product on a blocked weight, as one opaque operator inside a compiled step."""
+    return gemm.matmul(x, blocked, bias, out_features)
 
 
 @block_linear.register_fake
@@ -148,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn
         if packed is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2:
             return F.linear(x, weight, bias)
         if holder.packed_kind == BLOCKED:
-            if _rows(x) > cpu_gemm.MAX_ROWS:
+            if _rows(x) > gemm.MAX_ROWS:
                 return F.linear(x, weight, bias)
             return block_linear(x, packed, bias, weight.shape[0])
         return packed_linear(x, packed, bias, weight.shape[0])
@@ -158,8 +159,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, holder: Optional[nn
         kind, packed = packed_weight(holder, weight)
         if kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        if _rows(x) <= cpu_gemm.MAX_ROWS:
-            return cpu_gemm.matmul(x, packed, bias, weight.shape[0])
+        if _rows(x) <= gemm.MAX_ROWS:
+            return gemm.matmul(x, packed, bias, weight.shape[0])
         return F.linear(x, weight, bias)
     if torch.get_num_threads() < 2:
         return F.linear(x, weight, bias)
@@ -190,12 +191,12 @@ def use_cpu_kernels(module: nn.Module, pack: bool = True) -> int:
     """Swap every plain ``nn.Linear`` under ``module`` to ``FewRowLinear``, but those split by DTensor (whose
     product DTensor's dispatch computes), and let every Linear computed by ``linear`` pack its weight where
     ``pack`` (and oneDNN is there); returns how many were swapped. Its RMS norms become one operator each
-    where that is the same norm (``cpu_norm``)."""
-    from .._torch_compat import local_tensor
-    from .cpu_norm import use_fused_norms
+    where that is the same norm (``norm``)."""
+    from ..._torch_compat import local_tensor
+    from .norm import use_fused_norms
     use_fused_norms(module)
     n = 0
-    pack = pack and (packing_available() or cpu_gemm.available())
+    pack = pack and (packing_available() or gemm.available())
     for sub in module.modules():
         if type(sub) is nn.Linear and local_tensor(sub.weight) is sub.weight:
             sub.__class__ = FewRowLinear

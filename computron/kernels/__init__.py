@@ -1,0 +1,1 @@
+"""Owner: optional compute kernels below the models (``cpu``: the CPU wing); models imports them, never the reverse."""
