@@ -312,6 +312,11 @@ class ModelConfig:
     A ``.gguf`` file may stand for the directory (here or as the loader's ``path``): the master converts it
     before any worker starts, once (cached, ``storage/gguf.py``), and this field then names the converted
     directory."""
+    quantization: Optional[str] = None
+    """Weight-only quantization of a float checkpoint at load (``quant/``): ``"int8"``, ``"int4"`` or
+    ``"int4-gG"`` (G = 32, 64, 128, 256); the layers' Linears are parked and swapped packed."""
+    quant_compute: Optional[str] = None
+    """``"expand"`` (dequantized on arrival) or ``"packed"`` (torch's int8/int4 matmuls); None: the default."""
     base: Optional[str] = None
     """With ``adapter``: the id of the served causal LM whose weights the adapter runs on."""
     adapter: Optional[str] = None
@@ -354,6 +359,8 @@ class ModelConfig:
             if not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint):
                 _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str), a .gguf file or None")
             self.checkpoint = os.fspath(self.checkpoint)
+        from .quant.names import check_quantization
+        check_quantization(self.quantization, self.quant_compute)
 
 
     def for_workers(self) -> "ModelConfig":

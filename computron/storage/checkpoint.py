@@ -27,7 +27,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -241,6 +241,9 @@ class Read:
     value: Optional[torch.Tensor] = None
     parts: Tuple["Read", ...] = ()
     """Several row ranges of ``key``, one after the other in this rank's tensor (``models.row_split``)."""
+    produce: Optional[Callable] = None
+    """With ``key`` None: ``produce(reader) -> tensor`` makes this rank's tensor (``quant.apply``: a
+    quantized weight's bytes from the float checkpoint or the GGUF file's blocks)."""
 
     def pieces(self) -> Tuple["Read", ...]:
         """The single-slice reads this one is made of."""

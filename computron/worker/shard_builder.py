@@ -82,6 +82,10 @@ class ShardBuilder:
                            compile_decode=self.config.compile_decode,
                            cpu_attention=self.config.cpu_decode_attention)
         runner, source = self._from_checkpoint(mid, mc, ctx)
+        if runner is None and mc.quantization is not None:
+            raise ValueError(f"model {mid!r}: quantization={mc.quantization!r} needs a safetensors checkpoint "
+                             "(ModelConfig.checkpoint) of a family the runners split; this model is built by its "
+                             "model_fn")
         if runner is None:
             if while_serving and ctx.tp > 1:
                 torch.manual_seed(zlib.crc32(mid.encode()))  # identical full weights on every rank
@@ -124,7 +128,22 @@ class ShardBuilder:
         except ck.Unsupported as exc:
             log.info("rank %d: %s is read through its model_fn (%s)", self.rank, mid, exc)
             return None, None
+        if mc.quantization is not None:
+            self._quantize(mid, mc, ctx, runner, source)
         return runner, source
+
+    def _quantize(self, mid: str, mc: ModelConfig, ctx: StageContext, runner, source) -> None:
+        from ..quant.apply import default_mode, float_rows, quantize_shard
+        from ..quant.formats import parse_quantization
+        fmt = parse_quantization(mc.quantization)
+
+        def formats(key):
+            e = source.entries[key]
+            return (fmt, float_rows(fmt, key, e.shape[1]), e.shape[1]) if len(e.shape) == 2 else None
+        counts = quantize_shard(runner, source, mid, ctx.tp, self.device, formats, mc.quant_compute)
+        runner.weight_format = fmt.name
+        log.info("rank %d: %s: %s Linears quantized at load to %s, computed %s", self.rank, mid,
+                 sum(counts.values()), fmt.name, mc.quant_compute or default_mode(self.device))
 
 
 class BackgroundJobs:
