@@ -51,6 +51,12 @@ def _linears(runner) -> Dict[int, tuple]:
     return out
 
 
+def weight_format(counts: Dict[str, int], fallback: str) -> str:
+    """How a model's weights are named in its accounting: its quantized Linears' most common format
+    (``gguf:Q4_1``), or ``fallback`` when none is."""
+    return max(counts, key=lambda f: counts[f]) if counts else fallback
+
+
 def slice_columns(rows: torch.Tensor, fmt: Format, n_in: int, first: int, count: int) -> torch.Tensor:
     """The bytes of input features ``[first, first + count)`` of full rows in ``fmt``."""
     if first == 0 and count == n_in:
@@ -61,9 +67,8 @@ def slice_columns(rows: torch.Tensor, fmt: Format, n_in: int, first: int, count:
     return rows[:, a:b]
 
 
-def float_rows(fmt: Format, key: str, n_in: int) -> RowBytes:
-    """Rows of a float checkpoint tensor ``key``, quantized to ``fmt``."""
-    from ..storage.checkpoint import Read
+def float_rows(fmt: Format, key: str, n_in: int, Read) -> RowBytes:
+    """Rows of a float checkpoint tensor ``key``, quantized to ``fmt`` (``Read``: ``storage.checkpoint.Read``)."""
 
     def read(reader, first: int, rows: int) -> torch.Tensor:
         w = torch.empty(rows, n_in, dtype=torch.float32)
@@ -114,4 +119,4 @@ def quantize_shard(runner, source, mid: str, tp: int, device: torch.device, form
     return counts
 
 
-__all__ = ["quantize_shard", "float_rows", "slice_columns", "default_mode", "RowBytes"]
+__all__ = ["quantize_shard", "weight_format", "float_rows", "slice_columns", "default_mode", "RowBytes"]
