@@ -76,7 +76,9 @@ class EngineViews:
                     token_level=tb is not None, pinned=self._sched.is_pinned(k),
                     last_load=last.get("load"), last_offload=last.get("offload"),
                     version=self._catalog.version(m), draining_versions=len(self._catalog.old_versions(m)),
-                    host_plan=k in planned, host_bytes=self._swaps.shard_bytes.get(k, 0))
+                    host_plan=k in planned, host_bytes=self._swaps.shard_bytes.get(k, 0),
+                    weight_format=self._swaps.weight_formats.get(k, ""),
+                    device_bytes=self._swaps.device_bytes.get(k, 0) if state.value == "loaded" else 0)
             for a, base in self._adapters.base_of.items():
                 mine = [r for r in self._requests.requests.values() if r.adapter == a]
                 running = sum(1 for r in mine if r.spec is not None)

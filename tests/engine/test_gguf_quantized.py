@@ -98,4 +98,8 @@ def test_quantized_gguf_matches_transformers(quantized_gguf, tp, pp):
                     outs = await asyncio.gather(*[engine.submit(m, {"input_ids": p, "max_tokens": MAX_TOKENS})
                                                   for p in PROMPTS])
                     assert [o.tolist() for o in outs] == refs, f"{m} at tp={tp} pp={pp}"
+                    snap = engine.snapshot().models[m]
+                    assert snap.weight_format in ("gguf:Q4_0", "gguf:Q4_1"), snap.weight_format
+                    if m == "expand":  # the expanded float weights are on the device beside the blocks
+                        assert snap.device_bytes > 2 * snap.host_bytes, (snap.device_bytes, snap.host_bytes)
     asyncio.run(go())

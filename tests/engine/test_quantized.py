@@ -63,6 +63,11 @@ def test_quantized_models_match_their_dequantized_reference(ckpt, tp, pp):
                     outs = await asyncio.gather(*[engine.submit(m, {"input_ids": p, "max_tokens": MAX_TOKENS})
                                                   for p in PROMPTS])
                     assert [o.tolist() for o in outs] == refs[m], f"{m} at tp={tp} pp={pp}"
+                    snap = engine.snapshot().models[m]
+                    assert snap.weight_format == {"int4": "int4-g32", "int8": "int8", "float": "float32"}[m]
+                    assert snap.host_bytes == max(w.host_bytes[m] for w in engine.workers.values())
+                    assert snap.device_bytes >= snap.host_bytes  # resident: the shard (+ what it expanded)
+                    assert snap.last_load["bytes"] == sum(w.host_bytes[m] for w in engine.workers.values())
             loads = [r.model_id for r in engine.metrics("load")]
             assert loads.count("int4") >= 2 and loads.count("float") >= 2, loads
     asyncio.run(go())
