@@ -162,7 +162,8 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
     kwargs: Dict[str, Any] = {"path": entry.path}
     if entry.dtype is not None:
         kwargs["dtype"] = entry.dtype
-    common = dict(checkpoint=entry.path, queue_size=entry.queue_size, pinned=entry.pinned, priority=entry.priority)
+    common = dict(checkpoint=entry.path, queue_size=entry.queue_size, pinned=entry.pinned, priority=entry.priority,
+                  quantization=getattr(entry, "quantization", None))
     if entry.kind not in (None, ModelKind.GENERATION):
         und = _understanding_model(entry, hf, default_max_batch_size, where)
         config = ModelConfig(entry.id, load_encoder, kwargs, batch_manager=und.batch_manager, **common)

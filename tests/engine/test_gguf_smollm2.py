@@ -69,7 +69,7 @@ def test_cli_bad_gguf_one_line_exit_2(smollm2_gguf, tmp_path, what):
     else:
         with open(smollm2_gguf, "rb") as f:
             bad.write_bytes(f.read(1 << 20))
-        why = f"truncated or corrupt GGUF file ({1 << 20} bytes): the gguf package cannot read it"
+        why = f"truncated or corrupt GGUF file ({1 << 20} bytes): its header ends early"
     proc = subprocess.run([sys.executable, "-m", "computron", "serve", f"m={bad}", "--pp", "2"], cwd=ROOT,
                           env=command_env(COMPUTRON_CACHE_DIR=str(tmp_path / "cache")), capture_output=True,
                           text=True, timeout=100)
