@@ -1,23 +1,25 @@
-"""GGUF files as checkpoints: a ``.gguf`` file converted, once, into a cached transformers checkpoint directory.
+"""GGUF files as checkpoints: a ``.gguf`` file served at its own bytes, its metadata written once as a directory.
 
 Wherever a checkpoint directory goes (``ModelConfig.checkpoint``, ``load_causal_lm``'s ``path``, ``computron
 serve ID=FILE.gguf``, a YAML model's ``path``, a ``--model-repository`` subdirectory holding one ``.gguf``), a
-``.gguf`` file may go instead. The master converts it before any worker starts (``convert``): transformers
-reads it, dequantizing every tensor to ``dtype`` (float32 unless the model's dtype says otherwise; no
-quantized kernels), and saves it with its tokenizer (chat template included) and generation config as a
-safetensors checkpoint directory, which is then served like any other (slice reads, disk tier).
+``.gguf`` file may go instead. The master checks it (``inspect``: header, tensor table, architecture, block
+types) and writes, once, its config (in ``dtype``: what its unquantized tensors are served in, float32 unless
+the model says otherwise), tokenizer (chat template included) and generation config, as transformers reads
+them from the file, into a small directory with ``gguf_source.json`` naming the file (``convert``); no
+weights. The workers build the model from that directory and read the file's tensors themselves, quantized
+blocks as they are (``gguf_native``).
 
 The cache: ``$COMPUTRON_CACHE_DIR/gguf`` (default ``~/.cache/computron/gguf``), one directory per file and
 dtype, named ``STEM-DTYPE-KEY`` where KEY hashes the file's absolute path (links resolved), size, modification
-time and the dtype: a file changed in place converts again; deleting the cache is always safe. A conversion is written
-into a temporary directory next to its target and renamed into place (``os.replace``), so a conversion that
-was killed leaves no half-made checkpoint (its temporary directory is removed by the next one); a lock file
-(``fcntl.flock``) makes a second process converting the same file wait for the first and use its result.
+time, the dtype and ``LAYOUT``: a file changed in place is read again; deleting the cache is always safe. A
+directory is written into a temporary one next to its target and renamed into place (``os.replace``), so a
+write that was killed leaves nothing half-made (its temporary directory is removed by the next one); a lock file
+(``fcntl.flock``) makes a second process writing the same file's directory wait for the first and use its result.
 
-Every problem is a ``GGUFError``, one line naming the file, raised before any conversion starts: not a GGUF
-file, a truncated one, an architecture transformers cannot read, a tensor type the gguf package cannot
-dequantize, a cache directory that cannot be written. torch, transformers and gguf are imported only when
-a file is inspected or converted.
+Every problem is a ``GGUFError``, one line naming the file, raised before anything is written: not a GGUF
+file, a truncated one, an architecture transformers cannot read (or whose tensors it reshapes), a block type
+Computron does not serve, a cache directory that cannot be written. torch, transformers and gguf are imported
+only when a file is inspected or its metadata written.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ log = logging.getLogger("computron.gguf")
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 CACHE_ENV = "COMPUTRON_CACHE_DIR"
+LAYOUT = "metadata-only"
+"""What a cache directory holds (in its key): a float32 conversion of an older Computron is never taken for one."""
 DEFAULT_DTYPE = "float32"
 """The dtype a GGUF file is served in when the model names none (what transformers dequantizes to)."""
 
@@ -75,7 +79,7 @@ def cache_dir(path, dtype: Optional[str] = None) -> str:
     full = os.path.realpath(os.path.expanduser(os.fspath(path)))
     st = os.stat(full)
     dtype = _dtype(dtype)
-    key = hashlib.sha256(f"{full}\0{st.st_size}\0{st.st_mtime_ns}\0{dtype}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{full}\0{st.st_size}\0{st.st_mtime_ns}\0{dtype}\0{LAYOUT}".encode()).hexdigest()[:16]
     stem = os.path.basename(full)[:-len(SUFFIX)] if is_gguf(full) else os.path.basename(full)
     return os.path.join(cache_root(), f"{stem[:80]}-{dtype}-{key}")
 
