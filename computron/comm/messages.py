@@ -211,6 +211,8 @@ class WorkerReady:
     """model_id -> what a CausalLMBatchManager needs (pad/eos ids, vocabulary, positions), for causal LMs."""
     weight_formats: Dict[str, str] = field(default_factory=dict)
     """model_id -> how its weights are held: ``gguf:Q4_1``, ``int4-g32``, ``int8``, ``float32``..."""
+    device_need: Dict[str, int] = field(default_factory=dict)
+    """model_id -> device bytes a load takes where more than its shard (a quantized model's expansion)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +260,8 @@ class ModelAdded(CommandDone):
     """The models whose shard this rank holds in host memory now."""
     weight_format: str = ""
     """How its weights are held (``WorkerReady.weight_formats``)."""
+    device_need: int = 0
+    """Device bytes a load takes when more than ``host_bytes`` (``WorkerReady.device_need``), else 0."""
 
 
 @dataclass(frozen=True, kw_only=True)

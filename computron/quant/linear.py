@@ -66,6 +66,12 @@ class QuantLinear(nn.Module):
         for k in ("_state", "_made_from"):
             self.__dict__.pop(k, None)
 
+    def computron_made_bytes(self) -> int:
+        """Device bytes ``computron_arrive`` will make beside ``qdata`` (what a device budget must also hold)."""
+        if self.mode == "expand":
+            return self.qdata.shape[0] * self.n_in * self.compute_dtype.itemsize
+        return self.qdata.numel() if self.fmt.block == 0 or self.fmt.four_bit is not None else 0
+
     def computron_device_bytes(self) -> int:
         """Device bytes held beside ``qdata`` by what the products use."""
         state = self.__dict__.get("_state")

@@ -54,6 +54,8 @@ class Store(abc.ABC):
         self.nbytes = sum(s.numel * s.dtype.itemsize for s in self.slots)
         self.arrivals = arrivals(module, segments)
         """Per segment, the modules that make their compute weights on arrival (quantized Linears)."""
+        self.device_need = self.nbytes + sum(m.computron_made_bytes() for ms in self.arrivals for m in ms)
+        """Device bytes a load takes: the shard, and what its quantized Linears make of it on arrival."""
         self._empty = {}
         self._ready: Optional[Readiness] = None
         self._hooks = [seg.register_forward_pre_hook(self._make_hook(i + 1))

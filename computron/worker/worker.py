@@ -123,7 +123,9 @@ class Worker(ModelChanges, HostTier):
                                host_resident=self.host_resident(),
                                batching={m: r.batching_defaults() for m, r in self.runners.items()
                                          if isinstance(r, GenerativeRunner)},
-                               weight_formats={m: self.weight_format(m) for m in self.stores})
+                               weight_formats={m: self.weight_format(m) for m in self.stores},
+                               device_need={m: s.device_need for m, s in self.stores.items()
+                                            if getattr(s, "device_need", 0) > s.nbytes})
 
     def weight_format(self, model_id: str) -> str:
         """``quant``'s format of its quantized Linears, else the dtype most of its bytes are in."""

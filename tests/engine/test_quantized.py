@@ -58,6 +58,8 @@ def test_quantized_models_match_their_dequantized_reference(ckpt, tp, pp):
         async with engine:
             host = engine.workers[0].host_bytes
             assert host["int4"] < host["int8"] < host["float"], host
+            need = engine.workers[0].device_need  # what the device budget counts beside the packed shard
+            assert host["int4"] < need["int4"] and host["int8"] < need["int8"] and "float" not in need, need
             for _ in range(2):  # each model loaded twice, between the others
                 for m in MODELS:
                     outs = await asyncio.gather(*[engine.submit(m, {"input_ids": p, "max_tokens": MAX_TOKENS})
