@@ -73,6 +73,11 @@ class Format:
                              f"cutting a block (each rank needs a multiple of {self.block} input features)")
 
 
+def _u8(values, like: torch.Tensor) -> torch.Tensor:
+    """Shift amounts on ``like``'s device."""
+    return torch.tensor(list(values), dtype=torch.uint8, device=like.device)
+
+
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The float16 at byte ``at`` of each block, as float32 ``[n, 1]``."""
     return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
@@ -120,7 +125,7 @@ def _q4_k_four_bit(blocks):
     sc, mn = _k_scales(blocks[:, 4:16])
     step = _f16(blocks, 0) * sc
     offset = -_f16(blocks, 2) * mn
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> _u8([0, 4], blocks).reshape(1, 1, 2, 1)
     return (qs & 0x0F).reshape(n, QK_K), step, offset
 
 
@@ -136,8 +141,8 @@ def _q5_k(blocks):
     step = (_f16(blocks, 0) * sc)[..., None]
     offset = (_f16(blocks, 2) * mn)[..., None]
     qh, qs = blocks[:, 16:48], blocks[:, 48:]
-    low = (qs.reshape(n, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 0x01
+    low = (qs.reshape(n, 4, 1, 32) >> _u8([0, 4], blocks).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(n, 1, 32) >> _u8(range(8), blocks).reshape(1, 8, 1)) & 0x01
     q = low.reshape(n, 8, 32) | (high << 4)
     return (q.float() * step - offset).reshape(n, QK_K)
 
@@ -146,8 +151,8 @@ def _q6_k(blocks):
     n = blocks.shape[0]
     ql, qh, scales = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208]
     d = _f16(blocks, 208) * scales.contiguous().view(torch.int8).float()
-    low = (ql.reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 0x03
+    low = (ql.reshape(n, 2, 1, 64) >> _u8([0, 4], blocks).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(n, 2, 1, 32) >> _u8([0, 2, 4, 6], blocks).reshape(1, 1, 4, 1)) & 0x03
     q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).to(torch.int16) - 32
     return (q.reshape(n, 16, 16).float() * d[..., None]).reshape(n, QK_K)
 

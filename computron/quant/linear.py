@@ -130,10 +130,13 @@ def _int4_state(fmt: Format, data: torch.Tensor, n_in: int):
     step = step.reshape(rows, n_in // fmt.group)
     zero = offset.reshape(rows, n_in // fmt.group) + 8 * step
     pairs = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous()
-    if data.device.type == "cuda":
+    if data.device.type == "cuda":  # tiles of 16 * k input features: the largest k of 8, 4, 2 that divides them
+        tiles = next((k for k in (8, 4, 2) if n_in % (16 * k) == 0), None)
+        if tiles is None:
+            return ("dequantize",)
         pairs = pairs.to(torch.bfloat16)
         nibbles = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-        return "int4-cuda", torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), 8), pairs
+        return "int4-cuda", torch.ops.aten._convert_weight_to_int4pack(nibbles.contiguous(), tiles), pairs
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     return "int4-cpu", packed, pairs
 

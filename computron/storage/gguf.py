@@ -161,19 +161,19 @@ def _version(package: str) -> str:
 
 
 def convert(path, dtype: Optional[str] = None) -> str:
-    """The checkpoint directory of the GGUF file ``path`` in ``dtype`` (None: float32): the cache's when
-    it is there (a ``stat`` and a look), else converted now after ``inspect`` (50 s in all for SmolLM2-135M
-    on 2 CPU cores). ``GGUFError`` for a bad file or an unwritable cache."""
+    """The metadata directory of the GGUF file ``path`` in ``dtype`` (None: float32): the cache's when it is
+    there (a ``stat`` and a look), else written now after ``inspect`` (transformers parses the file's metadata
+    for the config and again for the tokenizer: seconds). ``GGUFError`` for a bad file or an unwritable cache."""
     full = check_header(path)
     dtype = _dtype(dtype)
     target = cache_dir(full, dtype)
     if os.path.isdir(target):
-        log.info("%s: using its %s conversion %s (cached)", full, dtype, target)
+        log.info("%s: using its %s metadata directory %s (cached)", full, dtype, target)
         return target
     root = _writable(full, os.path.dirname(target))
     info = inspect(full)  # seconds; a bad file fails here, before any log line (the error is its one line)
-    log.info("converting %s (%.1f MB, %s, %s) to a %s checkpoint in %s, once (about a minute on 2 CPU cores)",
-             full, info.size / 1e6, info.architecture, "/".join(info.types), dtype, target)
+    log.info("writing the config and tokenizer of %s (%.1f MB, %s, %s) to %s, once (its tensors are served "
+             "as the file holds them)", full, info.size / 1e6, info.architecture, "/".join(info.types), target)
     with _locked(target + ".lock", full):
         if os.path.isdir(target):  # another process converted it while this one waited
             log.info("%s: converted by another process: %s", full, target)
@@ -264,7 +264,7 @@ def _convert(info: GGUFInfo, dtype: str, out: str, target: str) -> None:
                    "dtype": dtype, "architecture": info.architecture, "types": list(info.types),
                    "seconds": round(time.perf_counter() - t0, 1)}, f, indent=1)
     nbytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    log.info("read the config and tokenizer of %s in %.1f s (%.1f MB in %s); its weights stay in the file",
+    log.info("converted the metadata of %s in %.1f s (%.1f MB in %s); its weights stay in the file",
              name, time.perf_counter() - t0, nbytes / 1e6, target)
 
 
