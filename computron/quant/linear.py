@@ -11,7 +11,8 @@ model at load:
 - ``packed``: codes kept packed and multiplied by torch's own operators: ``_weight_int8pack_mm`` for
   ``int8``; for the 4-bit formats (``int4-gG``, ``Q4_0``, ``Q4_1``, ``Q4_K``) ``_weight_int4pack_mm_for_cpu``
   on a CPU and ``_weight_int4pack_mm`` (bfloat16) on CUDA; the other formats (``Q8_0``, ``Q5_K``,
-  ``Q6_K``) dequantize at each product into a temporary and ``F.linear`` it.
+  ``Q6_K``) dequantize at each product into a temporary and ``F.linear`` it, as every format does for a
+  product of more than ``PACKED_MAX_ROWS`` rows (a long prefill).
 
 A ``QuantLinear`` is not an ``nn.Linear``, so ``cpu_linear.use_cpu_kernels`` leaves its class alone. Split by
 tensor parallelism it behaves as the Linear it replaced: ``tp_group`` set, it is row-parallel (its slice of
@@ -32,6 +33,10 @@ from ..models import cpu_linear
 from .formats import Format, int8_scales
 
 MODES = ("expand", "packed")
+PACKED_MAX_ROWS = 64
+"""Rows (tokens) above which a ``packed`` product dequantizes into a temporary and runs ``F.linear`` instead:
+torch's int4 CPU matmul took over 600 s for SmolLM2's 2,021-token prefill on 2 busy cores
+(``benchmarks/compressed.py``), where decode steps of 1 to 8 rows are what packing is for."""
 
 
 class QuantLinear(nn.Module):
@@ -99,6 +104,8 @@ class QuantLinear(nn.Module):
             return cpu_linear.linear(x, state, bias, self)
         kind = state[0]
         flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > PACKED_MAX_ROWS:
+            kind = "dequantize"
         if kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, state[1], state[2].to(flat.dtype))
         elif kind == "int4-cpu":
