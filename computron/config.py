@@ -334,6 +334,11 @@ class ModelConfig:
     before any worker starts, once (cached, ``storage/gguf.py``), and this field then names the converted
     directory. So may a Hugging Face hub id (``org/name``, ``org/name@rev``, ``org/name:FILE.gguf``) that names
     no local path: the preflight resolves it through huggingface_hub's cache (``hub.py``) into the local path."""
+    quantization: Optional[str] = None
+    """Weight-only quantization of a float checkpoint at load (``quant/``): ``"int8"``, ``"int4"`` or
+    ``"int4-gG"`` (G = 32, 64, 128, 256); the layers' Linears are parked and swapped packed."""
+    quant_compute: Optional[str] = None
+    """``"expand"`` (dequantized on arrival) or ``"packed"`` (torch's int8/int4 matmuls); None: the default."""
     base: Optional[str] = None
     """With ``adapter``: the id of the served causal LM whose weights the adapter runs on."""
     adapter: Optional[str] = None
@@ -378,6 +383,8 @@ class ModelConfig:
                 _fail(c, "checkpoint", self.checkpoint, "must be a directory path (str), a .gguf file, a hub id "
                       "or None")
             self.checkpoint = os.fspath(self.checkpoint)
+        from .quant.names import check_quantization
+        check_quantization(self.quantization, self.quant_compute)
 
     def for_workers(self) -> "ModelConfig":
         """What a worker needs to build its shard: this config without the master's batch manager."""

@@ -78,9 +78,14 @@ def load_causal_lm(path: str, dtype: Optional[str] = None):
 
     ``path`` may be a ``.gguf`` file: transformers reads it here, dequantizing every tensor on each call
     (float32 unless ``dtype`` says otherwise). Through the engine (``ModelConfig``) or ``computron serve`` the
-    master converts it once instead and the workers read the cached directory (``storage/gguf.py``).
+    master writes its config and tokenizer once instead (``storage/gguf.py``) and the workers read the
+    file's blocks as they are (``storage/gguf_native.py``); such a metadata directory loads its file here.
     """
     path = hub.resolve(path)
+    source = os.path.join(os.fspath(path), "gguf_source.json") if isinstance(path, (str, os.PathLike)) else ""
+    if source and os.path.isfile(source):
+        with open(source) as f:
+            path = json.load(f)["gguf"]
     if isinstance(path, (str, os.PathLike)) and os.fspath(path).lower().endswith(".gguf") and os.path.isfile(path):
         from transformers import AutoModelForCausalLM
         _quiet_transformers()

@@ -209,6 +209,10 @@ class WorkerReady:
     """Models whose shard this rank keeps in host memory after start-up (None: all of them)."""
     batching: Dict[str, BatchingDefaults] = field(default_factory=dict)
     """model_id -> what a CausalLMBatchManager needs (pad/eos ids, vocabulary, positions), for causal LMs."""
+    weight_formats: Dict[str, str] = field(default_factory=dict)
+    """model_id -> how its weights are held: ``gguf:Q4_1``, ``int4-g32``, ``int8``, ``float32``..."""
+    device_need: Dict[str, int] = field(default_factory=dict)
+    """model_id -> device bytes a load takes where more than its shard (a quantized model's expansion)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +244,8 @@ class Loaded(CommandDone):
     """Bytes this load read from disk (this rank's shard; 0 from host)."""
     host_resident: Optional[Tuple[str, ...]] = None
     """The models whose shard this rank holds in host memory after this load (None: not reported)."""
+    model_device_bytes: int = 0
+    """This model's bytes on the device after the load (its shard, and what quantized Linears made of it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +258,10 @@ class ModelAdded(CommandDone):
     """A generative model's token ids (what ``WorkerReady.batching`` says of start-up models)."""
     host_resident: Tuple[str, ...] = ()
     """The models whose shard this rank holds in host memory now."""
+    weight_format: str = ""
+    """How its weights are held (``WorkerReady.weight_formats``)."""
+    device_need: int = 0
+    """Device bytes a load takes when more than ``host_bytes`` (``WorkerReady.device_need``), else 0."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,9 +11,11 @@ from ..sched.scheduler import Scheduler
 
 
 def model_sizes(config: EngineConfig, workers: List[msg.WorkerReady]) -> Dict[str, int]:
-    """Device bytes per rank each model needs: its largest shard plus the KV reserve."""
+    """Device bytes per rank each model needs: its largest shard (with what a quantized model expands on
+    arrival) plus the KV reserve."""
     ids = {m for w in workers for m in w.host_bytes}
-    return {m: int(max(w.host_bytes.get(m, 0) for w in workers) * (1 + config.kv_reserve)) for m in ids}
+    return {m: int(max(max(w.host_bytes.get(m, 0), w.device_need.get(m, 0)) for w in workers)
+                   * (1 + config.kv_reserve)) for m in ids}
 
 
 def device_budget(config: EngineConfig, workers: List[msg.WorkerReady]) -> Optional[int]:

@@ -164,7 +164,7 @@ class Catalog:
 
     def _size(self, added: List[msg.ModelAdded]) -> int:
         """Device bytes per rank (``budget.model_sizes``' rule): the largest shard plus the KV reserve."""
-        return int(max((x.host_bytes for x in added), default=0) * (1 + self._config.kv_reserve))
+        return int(max((max(x.host_bytes, x.device_need) for x in added), default=0) * (1 + self._config.kv_reserve))
 
     def _register(self, key: str, added: List[msg.ModelAdded]) -> None:
         mc = self.configs[key]

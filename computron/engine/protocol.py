@@ -36,8 +36,11 @@ class ModelSnapshot:
     """Kept in host memory by plan (``Engine.set_host_models``): the last to go to disk, read ahead from it."""
     host_bytes: int = 0
     """Its largest shard: the host memory it takes on the rank it takes the most of."""
+    weight_format: str = ""
+    """How its weights are held: ``gguf:Q4_1``, ``int4-g32``, ``int8``, ``float32``..."""
     device_bytes: int = 0
-    """Device bytes per rank it holds while resident (its shard with its KV reserve); 0 when offloaded."""
+    """While resident: its bytes on the device on the rank holding the most (packed bytes plus what a
+    quantized model expanded on arrival, with its KV reserve); 0 otherwise."""
     last_used: Optional[float] = None
     """Wall-clock time its last request was answered (None: none yet)."""
     keep_alive_s: float = -1.0

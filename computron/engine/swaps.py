@@ -43,6 +43,10 @@ class Swaps:
         self.shard_bytes: Dict[str, int] = {m: max(w.host_bytes.get(m, 0) for w in workers)
                                             for w in workers for m in w.host_bytes}
         """Per model (key), its largest shard: the host memory it takes on the rank it takes the most of."""
+        self.weight_formats: Dict[str, str] = {m: f for w in workers for m, f in w.weight_formats.items()}
+        """Per model (key), how its weights are held (``gguf:Q4_1``, ``int4-g32``, ``float32``...)."""
+        self.device_bytes: Dict[str, int] = {}
+        """Per model (key), its bytes on the device on the rank holding the most, as its last load left them."""
 
     def note_host_resident(self, replies: Iterable[Any]) -> None:
         """What the ranks hold in host memory after a model was added or removed, or a host plan set."""
@@ -53,9 +57,11 @@ class Swaps:
         added = [x for x in replies if isinstance(x, msg.ModelAdded)]
         if added:
             self.shard_bytes[added[0].model_id] = max(x.host_bytes for x in added)
+            self.weight_formats[added[0].model_id] = added[0].weight_format
         for x in replies:
             if isinstance(x, msg.ModelRemoved):
                 self.shard_bytes.pop(x.model_id, None)
+                self.weight_formats.pop(x.model_id, None)
 
     def tier(self, model_id: str, state: ModelState) -> str:
         """'device' while resident; else 'host' where every rank holds its shard in host memory, 'disk'
@@ -98,6 +104,8 @@ class Swaps:
         read_s = max((x.read_s for x in loaded), default=0.0)
         read_bytes = sum(x.read_bytes for x in loaded)
         self.note_host_resident(loaded)
+        if loaded:
+            self.device_bytes[m] = max(x.model_device_bytes for x in loaded)
         device_bytes = {r: x.device_bytes for r, x in p.replies.items() if hasattr(x, "device_bytes")}
         self._telemetry.record(SwapRecord(kind, m, p.start, now, p.rank_times(), nbytes=nbytes,
                                           device_bytes=device_bytes, error=error,

@@ -77,7 +77,7 @@ class EngineViews:
                     last_load=last.get("load"), last_offload=last.get("offload"),
                     version=self._catalog.version(m), draining_versions=len(self._catalog.old_versions(m)),
                     host_plan=k in planned, host_bytes=self._swaps.shard_bytes.get(k, 0),
-                    **self._keep_view(k, state))
+                    weight_format=self._swaps.weight_formats.get(k, ""), **self._keep_view(k, state))
             for a, base in self._adapters.base_of.items():
                 mine = [r for r in self._requests.requests.values() if r.adapter == a]
                 running = sum(1 for r in mine if r.spec is not None)
@@ -86,10 +86,12 @@ class EngineViews:
             return EngineSnapshot(alive=self._dead is None, dead_reason=self._dead, models=models)
 
     def _keep_view(self, k: str, state) -> Dict[str, Any]:
-        """A model's device bytes, last use and keep-alive, for ``computron ps``. Caller holds the lock."""
+        """A model's device bytes (as its ranks measured them at its last load, else its budgeted size), last use
+        and keep-alive, for ``computron ps``. Caller holds the lock."""
         last, until = self._keep.last_done(k), self._keep.until(k)
         idle = state.value == "loaded" and not self._requests.busy(k)
-        return {"device_bytes": self._sched.sizes.get(k, 0) if state.value != "offloaded" else 0,
+        size = self._swaps.device_bytes.get(k) or self._sched.sizes.get(k, 0)
+        return {"device_bytes": size if state.value != "offloaded" else 0,
                 "last_used": None if last is None else self._telemetry.wall(last), "keep_alive_s": self._keep.keep_s(k),
                 "keep_until": self._telemetry.wall(until) if idle and until is not None else None}
 

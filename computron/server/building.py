@@ -163,7 +163,7 @@ def build_model(entry: ModelEntry, default_max_batch_size: Optional[int] = None,
     if entry.dtype is not None:
         kwargs["dtype"] = entry.dtype
     common = dict(checkpoint=entry.path, queue_size=entry.queue_size, pinned=entry.pinned, priority=entry.priority,
-                  keep_alive=entry.keep_alive)
+                  keep_alive=entry.keep_alive, quantization=getattr(entry, "quantization", None))
     if entry.kind not in (None, ModelKind.GENERATION):
         und = _understanding_model(entry, hf, default_max_batch_size, where)
         config = ModelConfig(entry.id, load_encoder, kwargs, batch_manager=und.batch_manager, **common)

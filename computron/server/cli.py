@@ -5,7 +5,7 @@
     computron serve --config serve.yaml                           # models, engine and server sections
     computron serve cls=ckpt/bert-sst2 emb=ckpt/bert --task emb=embedding   # encoders: /v2 and /v1/embeddings
     computron serve --model-repository models/ --repository-poll 10   # each models/NAME loads on first use
-    computron serve smol=SmolLM2-135M-Instruct.Q4_1.gguf --pp 2    # a GGUF file: converted once, cached
+    computron serve smol=SmolLM2-135M-Instruct.Q4_1.gguf --pp 2    # a GGUF file: its blocks as they are
     computron serve llama=org/name org/name@v1.0 org/repo-GGUF:m.Q4_1.gguf   # hub ids, via the HF cache
 
 Encoder (bert, roberta, xlm-roberta) and ViT checkpoints are served over the Open
@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                        description=__doc__, epilog=_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("checkpoints", nargs="*", metavar="[ID=]PATH",
                    help="checkpoint directories or .gguf files (the model id is the directory name, or the "
-                   "file's without .gguf, unless ID= names it); a .gguf file is dequantized to --dtype "
-                   "(default float32) once, into $COMPUTRON_CACHE_DIR/gguf (default ~/.cache/computron/gguf); "
+                   "file's without .gguf, unless ID= names it); a .gguf file keeps its quantized blocks (its "
+                   "config and tokenizer are written once into $COMPUTRON_CACHE_DIR/gguf, default "
+                   "~/.cache/computron/gguf); its other tensors are served in --dtype (default float32); "
                    "or Hugging Face hub ids org/name[@REVISION][:FILE.gguf] that name no local path, from "
                    "huggingface_hub's cache (HF_HUB_CACHE), fetched first unless HF_HUB_OFFLINE=1")
     s.add_argument("--config", help="YAML config file (models, engine, server); flags given override it")
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-alive", dest="keep_alive", metavar="DURATION", help="how long an idle model stays "
                    "resident: '5m', '30s', seconds, 0 (offload once done), -1 (while memory allows: the default)")
     s.add_argument("--dtype", choices=DTYPES, help="dtype of every model given on the command line")
+    s.add_argument("--quantization", metavar="int8|int4|int4-gG",
+                   help="quantize the layers' Linears of every float checkpoint given on the command line at load "
+                   "(weight-only: int8 per output channel, int4 in groups of 32, int4-g128 in groups of 128)")
     s.add_argument("--task", action="append", dest="tasks", metavar="ID=TASK",
                    help="an encoder's task: embedding or classification (repeatable; default: classification "
                    "when the checkpoint has a classification head, else embedding)")
@@ -112,6 +116,9 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         if args.dtype:
             for m in raw["models"]:
                 m["dtype"] = args.dtype
+        if args.quantization:
+            for m in raw["models"]:
+                m["quantization"] = args.quantization
     elif not raw.get("models") and not repository:
         raise ConfigError("no models: give checkpoint directories, --config with a models list, or "
                           "--model-repository")

@@ -7,6 +7,7 @@ A config file::
         path: ckpt/opt-a         # a local checkpoint directory with its tokenizer, or a .gguf file, or a
                                  # hub id: org/name, org/name@REVISION, org/name:FILE.gguf (docs/models.md)
         dtype: float16           # optional: float32 | float16 | bfloat16 (default: the checkpoint's)
+        quantization: int4       # optional: int8 | int4 | int4-g128: Linears quantized at load (weight-only)
         max_batch_size: 8        # optional: sequences batched together for this model
         queue_size: 64           # optional: waiting requests before 429 (default: engine.queue_size)
         tool_call_parser: hermes # optional: hermes (qwen) | llama3_json (llama3); default: from the chat template

@@ -114,6 +114,12 @@ class _EngineCollector:
                                      labels=["model"])
         state = GaugeMetricFamily("computron_model_state", "1 for the model's residency (disk, host, loading, "
                                   "resident, offloading)", labels=["model", "state"])
+        fmt = GaugeMetricFamily("computron_model_weight_format", "1, labelled with how the model's weights are held "
+                                "(gguf:Q4_1, int4-g32, float32...)", labels=["model", "format"])
+        host_b = GaugeMetricFamily("computron_model_host_bytes", "The model's shard bytes parked in host memory "
+                                   "(the rank holding the most)", labels=["model"])
+        dev_b = GaugeMetricFamily("computron_model_device_bytes", "The model's bytes on the device while resident "
+                                  "(the rank holding the most; quantized: packed plus expanded)", labels=["model"])
         n_resident = 0
         adapters = GaugeMetricFamily("computron_lora_adapter", "1 for each LoRA adapter served, labelled with "
                                      "the model it runs on", labels=["model", "base"])
@@ -128,9 +134,13 @@ class _EngineCollector:
                 adapters.add_metric([m, s.base], 1.0)
             else:
                 n_resident += is_res
+                if getattr(s, "weight_format", ""):
+                    fmt.add_metric([m, s.weight_format], 1.0)
+                    host_b.add_metric([m], s.host_bytes)
+                    dev_b.add_metric([m], s.device_bytes)
         total = GaugeMetricFamily("computron_resident_models", "Models loaded on the devices")
         total.add_metric([], n_resident)
-        yield from (depth, running, resident, state, total, adapters)
+        yield from (depth, running, resident, state, total, adapters, fmt, host_b, dev_b)
         c = e.counters()
         # zeros for what has not happened yet: every series exists from the start (adapters swap with their base)
         models = [m for m, s in snap.models.items() if s.base is None]

@@ -42,6 +42,8 @@ class ModelEntry:
     (once, cached: ``storage/gguf.py``), which sets ``path`` to the converted directory and ``gguf`` to the file."""
     dtype: Optional[str] = None
     """float32, float16 or bfloat16; None keeps the checkpoint's dtype."""
+    quantization: Optional[str] = None
+    """``int8``, ``int4`` or ``int4-gG``: the layers' Linears quantized at load (``ModelConfig.quantization``)."""
     max_batch_size: Optional[int] = None
     """Sequences of this model batched together; None takes engine.max_batch_size."""
     queue_size: Optional[int] = None
@@ -179,6 +181,15 @@ def parse_model(m: Any, where: str, taken: Container[str] = ()) -> ModelEntry:
     entry.path = os.path.abspath(os.path.expanduser(check_checkpoint(f"{where}.path", entry.path)))
     if entry.dtype is not None and entry.dtype not in DTYPES:
         raise ConfigError(f"{where}.dtype={entry.dtype!r}: must be one of {list(DTYPES)}")
+    if entry.quantization is not None:
+        from ..quant.names import quantization_kind
+        try:
+            quantization_kind(entry.quantization)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.{exc}") from None
+        if entry.path.lower().endswith(".gguf"):
+            raise ConfigError(f"{where}.quantization={entry.quantization!r}: a .gguf file is served at the "
+                              "quantization it holds")
     if entry.path.lower().endswith(".gguf"):  # converted once, in the served dtype; then a checkpoint like any
         entry.gguf, entry.path = entry.path, check_checkpoint(f"{where}.path", _converted(where, entry))
     _check_type(f"{where}.task", entry.task, str, allow_none=True)

@@ -79,6 +79,9 @@ def _model_row(model_id: str, s: Optional[Any], snap: Any) -> Dict[str, Any]:
             "engine_state": s and s.state, "tier": s and s.tier, "waiting": s.waiting if s else 0,
             "running": s.running if s else 0,
             "last_load": s and s.last_load, "last_offload": s and s.last_offload,
+            "weight_format": s and getattr(s, "weight_format", None), "host_bytes": s and getattr(s, "host_bytes", 0),
+            "device_bytes": s and getattr(s, "device_bytes", 0),
+            "swap_bytes": s and s.last_load and s.last_load.get("bytes"),
             "groups": _group_residency(snap, model_id)}
 
 

@@ -27,7 +27,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -164,7 +164,8 @@ def meta_model(path: str, dtype: Optional[str] = None, model_id: str = ""):
     ``(id(module), attr) -> checkpoint names`` that ``CheckpointSource`` needs (keep it until then)."""
     from transformers import AutoConfig
     from ..models import causal_lm_family, encoder_family
-    weight_files(path)  # Unsupported without safetensors
+    if not os.path.isfile(os.path.join(path, "gguf_source.json")):  # a GGUF file's metadata directory
+        weight_files(path)  # Unsupported without safetensors
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     cls = architecture_class(config)
     if cls is None:
@@ -241,6 +242,9 @@ class Read:
     value: Optional[torch.Tensor] = None
     parts: Tuple["Read", ...] = ()
     """Several row ranges of ``key``, one after the other in this rank's tensor (``models.row_split``)."""
+    produce: Optional[Callable] = None
+    """With ``key`` None: ``produce(reader) -> tensor`` makes this rank's tensor (``quant.apply``: a
+    quantized weight's bytes from the float checkpoint or the GGUF file's blocks)."""
 
     def pieces(self) -> Tuple["Read", ...]:
         """The single-slice reads this one is made of."""
@@ -290,7 +294,7 @@ class CheckpointSource:
         from ..models.row_split import pieces_of
         self.model_id = model_id
         self.path = path
-        self.entries, self.sizes = read_entries(path, model_id)
+        self.entries, self.sizes = self._entries(path, model_id)
         self.reads: Dict[int, Read] = {}  # id(local tensor) -> Read, once materialized
         pending, places = [], {}
         for mod in module.modules():
@@ -320,6 +324,10 @@ class CheckpointSource:
         for mod, attr, r in pending:
             self.reads[id(local_tensor(direct_tensor(mod, attr)))] = r
         del names
+
+    def _entries(self, path: str, model_id: str):
+        """``(entries, file sizes)`` of the checkpoint (``gguf_native.GGUFSource``: of a GGUF file)."""
+        return read_entries(path, model_id)
 
     def _key(self, names: Sequence[str], prefix: str = "") -> Optional[str]:
         """The checkpoint's name for a tensor known by ``names``: as is, or without/with the base model

@@ -1,23 +1,25 @@
-"""GGUF files as checkpoints: a ``.gguf`` file converted, once, into a cached transformers checkpoint directory.
+"""GGUF files as checkpoints: a ``.gguf`` file served at its own bytes, its metadata written once as a directory.
 
 Wherever a checkpoint directory goes (``ModelConfig.checkpoint``, ``load_causal_lm``'s ``path``, ``computron
 serve ID=FILE.gguf``, a YAML model's ``path``, a ``--model-repository`` subdirectory holding one ``.gguf``), a
-``.gguf`` file may go instead. The master converts it before any worker starts (``convert``): transformers
-reads it, dequantizing every tensor to ``dtype`` (float32 unless the model's dtype says otherwise; no
-quantized kernels), and saves it with its tokenizer (chat template included) and generation config as a
-safetensors checkpoint directory, which is then served like any other (slice reads, disk tier).
+``.gguf`` file may go instead. The master checks it (``inspect``: header, tensor table, architecture, block
+types) and writes, once, its config (in ``dtype``: what its unquantized tensors are served in, float32 unless
+the model says otherwise), tokenizer (chat template included) and generation config, as transformers reads
+them from the file, into a small directory with ``gguf_source.json`` naming the file (``convert``); no
+weights. The workers build the model from that directory and read the file's tensors themselves, quantized
+blocks as they are (``gguf_native``).
 
 The cache: ``$COMPUTRON_CACHE_DIR/gguf`` (default ``~/.cache/computron/gguf``), one directory per file and
 dtype, named ``STEM-DTYPE-KEY`` where KEY hashes the file's absolute path (links resolved), size, modification
-time and the dtype: a file changed in place converts again; deleting the cache is always safe. A conversion is written
-into a temporary directory next to its target and renamed into place (``os.replace``), so a conversion that
-was killed leaves no half-made checkpoint (its temporary directory is removed by the next one); a lock file
-(``fcntl.flock``) makes a second process converting the same file wait for the first and use its result.
+time, the dtype and ``LAYOUT``: a file changed in place is read again; deleting the cache is always safe. A
+directory is written into a temporary one next to its target and renamed into place (``os.replace``), so a
+write that was killed leaves nothing half-made (its temporary directory is removed by the next one); a lock file
+(``fcntl.flock``) makes a second process writing the same file's directory wait for the first and use its result.
 
-Every problem is a ``GGUFError``, one line naming the file, raised before any conversion starts: not a GGUF
-file, a truncated one, an architecture transformers cannot read, a tensor type the gguf package cannot
-dequantize, a cache directory that cannot be written. torch, transformers and gguf are imported only when
-a file is inspected or converted.
+Every problem is a ``GGUFError``, one line naming the file, raised before anything is written: not a GGUF
+file, a truncated one, an architecture transformers cannot read (or whose tensors it reshapes), a block type
+Computron does not serve, a cache directory that cannot be written. torch, transformers and gguf are imported
+only when a file is inspected or its metadata written.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ log = logging.getLogger("computron.gguf")
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 CACHE_ENV = "COMPUTRON_CACHE_DIR"
+LAYOUT = "metadata-only"
+"""What a cache directory holds (in its key): a float32 conversion of an older Computron is never taken for one."""
 DEFAULT_DTYPE = "float32"
 """The dtype a GGUF file is served in when the model names none (what transformers dequantizes to)."""
 
@@ -75,7 +79,7 @@ def cache_dir(path, dtype: Optional[str] = None) -> str:
     full = os.path.realpath(os.path.expanduser(os.fspath(path)))
     st = os.stat(full)
     dtype = _dtype(dtype)
-    key = hashlib.sha256(f"{full}\0{st.st_size}\0{st.st_mtime_ns}\0{dtype}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{full}\0{st.st_size}\0{st.st_mtime_ns}\0{dtype}\0{LAYOUT}".encode()).hexdigest()[:16]
     stem = os.path.basename(full)[:-len(SUFFIX)] if is_gguf(full) else os.path.basename(full)
     return os.path.join(cache_root(), f"{stem[:80]}-{dtype}-{key}")
 
@@ -113,39 +117,30 @@ class GGUFInfo:
 
 
 def inspect(path) -> GGUFInfo:
-    """``check_header``, then the whole file read by the gguf package (a truncated file fails here), its
-    architecture checked against the ones transformers reads, and one row of each tensor type dequantized.
-    Seconds (the reader parses every metadata field); ``GGUFError`` for the first problem."""
+    """``check_header``, then the file's header and tensor table parsed (``gguf_native.layout``: a truncated
+    file fails here), its architecture checked against the ones transformers reads and Computron serves, and
+    every tensor's block type against the ones it serves. ``GGUFError`` for the first problem."""
     full = check_header(path)
     size = os.path.getsize(full)
     try:
-        import gguf
+        import gguf  # noqa: F401 - the block types' names and sizes
     except ImportError:
         raise GGUFError(f"{full}: reading GGUF files needs the gguf package: pip install 'computron[gguf]'") from None
+    from .gguf_native import check_architecture, check_types, layout
     try:
-        reader = gguf.GGUFReader(full)
-        tensors = list(reader.tensors)
-        end = max((t.data_offset + t.n_bytes for t in tensors), default=0)
-        field = reader.fields.get("general.architecture")
-        arch = field.contents() if field is not None else None
-    except Exception as exc:  # noqa: BLE001 - ValueError, IndexError, struct errors: all mean a broken file
-        raise GGUFError(f"{full}: truncated or corrupt GGUF file ({size} bytes): the gguf package cannot read it "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        found, arch = layout(full)
+    except GGUFError as exc:
+        raise GGUFError(f"{full}: truncated or corrupt GGUF file ({size} bytes): "
+                        f"{str(exc).split('GGUF header: ', 1)[-1]}") from None
+    end = max((t.begin + t.rows * t.row_bytes for t in found.values()), default=0)
     if end > size:
         raise GGUFError(f"{full}: truncated GGUF file: its tensors end at byte {end}, the file has {size}")
-    if not isinstance(arch, str):
+    if not isinstance(arch, str) or not arch:
         raise GGUFError(f"{full}: no general.architecture field: not a model GGUF file")
     _check_architecture(full, arch)
-    types = {}
-    for t in tensors:
-        types.setdefault(t.tensor_type, t)
-    for qtype, t in types.items():
-        try:
-            gguf.dequantize(t.data[:1] if t.data.ndim > 1 else t.data, qtype)
-        except NotImplementedError:
-            raise GGUFError(f"{full}: tensor {t.name!r} is stored as {qtype.name}, which the gguf package "
-                            f"{_version('gguf')} cannot dequantize") from None
-    return GGUFInfo(full, arch, len(tensors), tuple(sorted(q.name for q in types)), size)
+    check_types(full, found)
+    check_architecture(full, arch)
+    return GGUFInfo(full, arch, len(found), tuple(sorted({t.type_name for t in found.values()})), size)
 
 
 def _check_architecture(full: str, arch: str) -> None:
@@ -166,19 +161,19 @@ def _version(package: str) -> str:
 
 
 def convert(path, dtype: Optional[str] = None) -> str:
-    """The checkpoint directory of the GGUF file ``path`` in ``dtype`` (None: float32): the cache's when
-    it is there (a ``stat`` and a look), else converted now after ``inspect`` (50 s in all for SmolLM2-135M
-    on 2 CPU cores). ``GGUFError`` for a bad file or an unwritable cache."""
+    """The metadata directory of the GGUF file ``path`` in ``dtype`` (None: float32): the cache's when it is
+    there (a ``stat`` and a look), else written now after ``inspect`` (transformers parses the file's metadata
+    for the config and again for the tokenizer: seconds). ``GGUFError`` for a bad file or an unwritable cache."""
     full = check_header(path)
     dtype = _dtype(dtype)
     target = cache_dir(full, dtype)
     if os.path.isdir(target):
-        log.info("%s: using its %s conversion %s (cached)", full, dtype, target)
+        log.info("%s: using its %s metadata directory %s (cached)", full, dtype, target)
         return target
     root = _writable(full, os.path.dirname(target))
     info = inspect(full)  # seconds; a bad file fails here, before any log line (the error is its one line)
-    log.info("converting %s (%.1f MB, %s, %s) to a %s checkpoint in %s, once (about a minute on 2 CPU cores)",
-             full, info.size / 1e6, info.architecture, "/".join(info.types), dtype, target)
+    log.info("writing the config and tokenizer of %s (%.1f MB, %s, %s) to %s, once (its tensors are served "
+             "as the file holds them)", full, info.size / 1e6, info.architecture, "/".join(info.types), target)
     with _locked(target + ".lock", full):
         if os.path.isdir(target):  # another process converted it while this one waited
             log.info("%s: converted by another process: %s", full, target)
@@ -239,43 +234,38 @@ def _quiet(hf_gguf) -> Iterator[None]:
 
 
 def _convert(info: GGUFInfo, dtype: str, out: str, target: str) -> None:
-    """Read ``info.path`` with transformers (dequantized to ``dtype``) and save model, tokenizer and
-    generation config into ``out`` as a safetensors checkpoint."""
+    """Write ``info.path``'s config (in ``dtype``), tokenizer (chat template included) and generation config
+    into ``out``, read by transformers from the file's metadata, and ``gguf_source.json`` naming the file:
+    no weights (the workers read those from the file: ``gguf_native``)."""
     import torch
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     t0 = time.perf_counter()
     folder, name = os.path.split(info.path)
     try:
         with _quiet(hf_gguf):
-            log.info("reading %s: dequantizing %d tensors to %s", name, info.tensors, dtype)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype),
-                                                         local_files_only=True)
+            config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            config.dtype = getattr(torch, dtype)
+            if not getattr(config, "architectures", None):  # what model.save_pretrained would have written
+                from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-            model.hf_quantizer = None  # the weights are plain tensors now: saved as such, loaded as such
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            # save_pretrained writes only on torch.distributed's rank 0 when this process is in a group, and
-            # the master of a running engine is (rank tp*pp: a model added while serving, a repository's model)
-            model.should_save_on_this_rank = lambda *args, **kwargs: True
-            log.info("saving %s as safetensors (read in %.1f s)", name, time.perf_counter() - t0)
-            model.save_pretrained(out, safe_serialization=True)
+            config.save_pretrained(out)
+            GenerationConfig.from_model_config(config).save_pretrained(out)
             tokenizer.save_pretrained(out)
     except Exception as exc:  # noqa: BLE001 - one line naming the file, whatever transformers raised
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise GGUFError(f"{info.path}: transformers cannot convert it: {type(exc).__name__}: {first}") from None
-    written = os.listdir(out)
-    if "config.json" not in written or not any(f.endswith(".safetensors") for f in written):
-        raise GGUFError(f"{info.path}: transformers wrote no checkpoint (config.json and safetensors weights) "
-                        f"when saving its conversion, only {sorted(written)}")
-    nbytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+        raise GGUFError(f"{info.path}: transformers cannot read its config and tokenizer: {type(exc).__name__}: "
+                        f"{first}") from None
     with open(os.path.join(out, "gguf_source.json"), "w") as f:
         json.dump({"gguf": info.path, "size": info.size, "mtime_ns": os.stat(info.path).st_mtime_ns,
                    "dtype": dtype, "architecture": info.architecture, "types": list(info.types),
                    "seconds": round(time.perf_counter() - t0, 1)}, f, indent=1)
-    del model
-    log.info("converted %s in %.1f s: %.0f MB of %s checkpoint in %s", name, time.perf_counter() - t0,
-             nbytes / 1e6, dtype, target)
+    nbytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    log.info("converted the metadata of %s in %.1f s (%.1f MB in %s); its weights stay in the file",
+             name, time.perf_counter() - t0, nbytes / 1e6, target)
 
 
 __all__ = ["SUFFIX", "CACHE_ENV", "DEFAULT_DTYPE", "GGUFInfo", "is_gguf", "cache_root", "cache_dir", "check_header",

@@ -58,6 +58,23 @@ def collect_slots(module: nn.Module, segments: Sequence[nn.Module],
     return slots
 
 
+def arrivals(module: nn.Module, segments: Sequence[nn.Module]) -> List[List[nn.Module]]:
+    """The modules that make something from their weights once these arrive (``computron_arrive``: a
+    quantized Linear's expanded or packed weight), by readiness segment (as ``collect_slots`` numbers them)."""
+    out: List[List[nn.Module]] = [[] for _ in range(len(segments) + 1)]
+    seen = set()
+    for i, seg in enumerate(segments):
+        for m in seg.modules():
+            if hasattr(m, "computron_arrive") and id(m) not in seen:
+                seen.add(id(m))
+                out[i + 1].append(m)
+    for m in module.modules():
+        if hasattr(m, "computron_arrive") and id(m) not in seen:
+            seen.add(id(m))
+            out[0].append(m)
+    return out
+
+
 class Readiness:
     """Per-segment 'weights have arrived' flags: threading events on CPU, CUDA events on GPU."""
 

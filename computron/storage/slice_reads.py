@@ -250,7 +250,8 @@ def read_segments(source: CheckpointSource, slots, host: Dict[torch.dtype, torch
             dest_all = host[s.dtype][s.offset:s.offset + s.numel]
             nbytes += dest_all.numel() * dest_all.element_size()
             if whole.key is None:
-                dest_all.copy_(whole.value.reshape(-1))
+                made = whole.produce(reader) if whole.produce is not None else whole.value
+                dest_all.copy_(made.reshape(-1))
                 continue
             at = 0
             for r in whole.pieces():

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .memory import DevicePool, HostPool, free_host, pinned_empty  # the pools: still importable from here
-from .segments import Readiness, collect_slots
+from .segments import Readiness, arrivals, collect_slots
 
 log = logging.getLogger("computron.store")
 
@@ -52,6 +52,10 @@ class Store(abc.ABC):
         self.slots = collect_slots(module, segments, mutable_buffers)
         self.n_segments = len(segments) + 1
         self.nbytes = sum(s.numel * s.dtype.itemsize for s in self.slots)
+        self.arrivals = arrivals(module, segments)
+        """Per segment, the modules that make their compute weights on arrival (quantized Linears)."""
+        self.device_need = self.nbytes + sum(m.computron_made_bytes() for ms in self.arrivals for m in ms)
+        """Device bytes a load takes: the shard, and what its quantized Linears make of it on arrival."""
         self._empty = {}
         self._ready: Optional[Readiness] = None
         self._hooks = [seg.register_forward_pre_hook(self._make_hook(i + 1))
@@ -172,7 +176,8 @@ class ShardStore(Store):
             self.read_host()
 
     def device_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._dev.values())
+        made = sum(m.computron_device_bytes() for ms in self.arrivals for m in ms) if self.resident else 0
+        return sum(b.numel() * b.element_size() for b in self._dev.values()) + made
 
     # ---- the disk tier -------------------------------------------------------
     @property
@@ -325,6 +330,8 @@ class ShardStore(Store):
                         i = next_segment()
                         for dt, a, b in self._ranges[i]:
                             self._dev[dt][a:b].copy_(self.host[dt][a:b], non_blocking=True)
+                        for m in self.arrivals[i]:  # on the copy stream, after its bytes
+                            m.computron_arrive()
                         ev = torch.cuda.Event()
                         ev.record(self.copy_stream)
                         ready.mark(i, ev)
@@ -334,6 +341,8 @@ class ShardStore(Store):
                     i = next_segment()
                     for dt, a, b in self._ranges[i]:
                         self._dev[dt][a:b].copy_(self.host[dt][a:b])
+                    for m in self.arrivals[i]:
+                        m.computron_arrive()
                     ready.mark(i)
         except BaseException as exc:  # noqa: BLE001 - reported to the master
             error = exc
@@ -373,6 +382,9 @@ class ShardStore(Store):
                 if s.mutable and not failed:  # a forward changed it: the only tensors copied back
                     self.host[s.dtype][s.offset:s.offset + s.numel].copy_(s.tensor.reshape(-1))
                 s.tensor.data = self._placeholder(s.dtype)
+            for ms in self.arrivals:
+                for m in ms:
+                    m.computron_leave()
         self._release(self._dev)
         self._dev = {}
         self._ready = None

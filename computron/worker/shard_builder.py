@@ -33,6 +33,7 @@ from ..loading import checkpoint_of
 from ..models import StageContext, make_runner
 from ..models.base import StageRunner
 from ..niceness import lower_this_thread
+from ..quant.apply import default_mode, float_rows, quantize_shard, weight_format
 from ..storage.paper_store import PaperStore
 from ..storage.store import ShardStore, Store
 
@@ -90,6 +91,10 @@ class ShardBuilder:
                            compile_decode=self.config.compile_decode,
                            cpu_attention=self.config.cpu_decode_attention)
         runner, source = self._from_checkpoint(mid, mc, ctx)
+        if runner is None and mc.quantization is not None:
+            raise ValueError(f"model {mid!r}: quantization={mc.quantization!r} needs a safetensors checkpoint "
+                             "(ModelConfig.checkpoint) of a family the runners split; this model is built by its "
+                             "model_fn")
         if runner is None:
             if while_serving and ctx.tp > 1:
                 torch.manual_seed(zlib.crc32(mid.encode()))  # identical full weights on every rank
@@ -125,14 +130,45 @@ class ShardBuilder:
         path, dtype = where
         if mc.checkpoint is not None and not os.path.isdir(path):
             raise FileNotFoundError(f"model {mid!r}: ModelConfig.checkpoint={path!r} is not a directory")
+        from ..storage import gguf_native
+        gguf_file = gguf_native.source_of(path)
+        if gguf_file is not None and mc.quantization is not None:
+            raise ValueError(f"model {mid!r}: quantization={mc.quantization!r}: a GGUF file ({gguf_file}) is "
+                             "served at the quantization it holds")
         try:
             module, names = ck.meta_model(path, dtype, mid)
+            gguf_names = gguf_native.name_map(module) if gguf_file is not None else None
             runner = make_runner(module, mc, ctx)
-            source = ck.CheckpointSource(mid, path, names, runner.module)
+            if gguf_file is not None:
+                source = gguf_native.GGUFSource(mid, path, names, runner.module, gguf_names, module.config)
+            else:
+                source = ck.CheckpointSource(mid, path, names, runner.module)
         except ck.Unsupported as exc:
             log.info("rank %d: %s is read through its model_fn (%s)", self.rank, mid, exc)
             return None, None
+        if gguf_file is not None:
+            counts = quantize_shard(runner, source, mid, ctx.tp, self.device, source.formats, mc.quant_compute)
+            source.finish()
+            runner.weight_format = weight_format(counts, "gguf")
+            log.info("rank %d: %s: Linears read from %s as they are stored (%s), computed %s", self.rank, mid,
+                     gguf_file, ", ".join(f"{n} {f}" for f, n in sorted(counts.items())) or "none quantized",
+                     mc.quant_compute or default_mode(self.device))
+        elif mc.quantization is not None:
+            self._quantize(mid, mc, ctx, runner, source)
         return runner, source
+
+    def _quantize(self, mid: str, mc: ModelConfig, ctx: StageContext, runner, source) -> None:
+        from ..quant.formats import parse_quantization
+        from ..storage.checkpoint import Read
+        fmt = parse_quantization(mc.quantization)
+
+        def formats(key):
+            e = source.entries[key]
+            return (fmt, float_rows(fmt, key, e.shape[1], Read), e.shape[1]) if len(e.shape) == 2 else None
+        counts = quantize_shard(runner, source, mid, ctx.tp, self.device, formats, mc.quant_compute)
+        runner.weight_format = fmt.name
+        log.info("rank %d: %s: %s Linears quantized at load to %s, computed %s", self.rank, mid,
+                 sum(counts.values()), fmt.name, mc.quant_compute or default_mode(self.device))
 
 
 class BackgroundJobs:

@@ -126,7 +126,20 @@ class Worker(ModelChanges, HostTier):
                                device_memory=_device_memory(self.device),
                                host_resident=self.host_resident(),
                                batching={m: r.batching_defaults() for m, r in self.runners.items()
-                                         if isinstance(r, GenerativeRunner)})
+                                         if isinstance(r, GenerativeRunner)},
+                               weight_formats={m: self.weight_format(m) for m in self.stores},
+                               device_need={m: s.device_need for m, s in self.stores.items()
+                                            if getattr(s, "device_need", 0) > s.nbytes})
+
+    def weight_format(self, model_id: str) -> str:
+        """``quant``'s format of its quantized Linears, else the dtype most of its bytes are in."""
+        fmt = getattr(self.runners[model_id], "weight_format", None)
+        if fmt:
+            return fmt
+        by_dtype: dict = {}
+        for s in self.stores[model_id].slots:
+            by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.numel * s.dtype.itemsize
+        return str(max(by_dtype, key=by_dtype.get)).replace("torch.", "") if by_dtype else ""
 
     def device_bytes(self) -> int:
         """Weights and KV caches held on this rank's device."""
@@ -288,7 +301,8 @@ class Worker(ModelChanges, HostTier):
             self.channel.reply(msg.Loaded(seq=cmd.seq, rank=self.rank, model_id=cmd.model_id, start=start,
                                           end=end, nbytes=store.nbytes, device_bytes=self.device_bytes(),
                                           tier=store.last_tier, read_s=store.last_read_s,
-                                          read_bytes=store.last_read_bytes, host_resident=self.host_resident()))
+                                          read_bytes=store.last_read_bytes, host_resident=self.host_resident(),
+                                          model_device_bytes=store.device_bytes()))
         with self._host_lock:  # the read-ahead thread changes which stores hold host memory too
             if not store.resident and not store.host_resident:
                 self._make_host_room(cmd.model_id, store)  # the disk read itself runs on the load thread

@@ -5,8 +5,8 @@ device slot.
    is downloaded) and writes three small random-weight OPT checkpoints, each with a byte-level BPE tokenizer
    trained here on text from this repository;
 2. starts `computron serve` on the four (PP=2: each model's layers split over the two workers; max_loaded=1:
-   each model change is a swap). The server converts the .gguf file once into a cached checkpoint directory
-   (about a minute on 2 CPU cores; later runs reuse ~/.cache/computron/gguf);
+   each model change is a swap). The server writes the .gguf file's config and tokenizer once (later runs
+   reuse ~/.cache/computron/gguf) and the workers serve its Q4_1 blocks as the file holds them;
 3. asks SmolLM2 a factual question (streamed) and the random models theirs through the official `openai`
    client, then SmolLM2 again, and prints the answers;
 4. prints the swaps and their times from `/metrics` and stops the server with SIGTERM.
@@ -114,8 +114,8 @@ def main():
               "models only")
     else:
         paths = {SMOL: smol, **paths}
-        print(f"SmolLM2-135M-Instruct: {smol} ({os.path.getsize(smol) / 1e6:.0f} MB, Q4_1); the server converts it "
-              "once (about a minute on 2 CPU cores), later runs reuse the conversion")
+        print(f"SmolLM2-135M-Instruct: {smol} ({os.path.getsize(smol) / 1e6:.0f} MB, Q4_1); the server serves its "
+              "blocks as they are (its config and tokenizer written once, reused by later runs)")
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "computron", "serve", *(f"{n}={p}" for n, p in paths.items()),

