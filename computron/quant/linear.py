@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._torch_compat import local_tensor
-from ..models import cpu_linear
+from ..kernels.cpu import linear as cpu_linear
 from .formats import Format, int8_scales
 
 MODES = ("expand", "packed")

@@ -220,3 +220,15 @@ class BackgroundJobs:
                 break
         self._jobs.put(None)
         self._thread.join(timeout)
+
+
+def held_format(runner, store) -> str:
+    """How a model's weights are held on this rank: ``quant``'s format of its quantized Linears, else the dtype
+    most of its bytes are in."""
+    fmt = getattr(runner, "weight_format", None)
+    if fmt:
+        return fmt
+    by_dtype: dict = {}
+    for s in store.slots:
+        by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.numel * s.dtype.itemsize
+    return str(max(by_dtype, key=by_dtype.get)).replace("torch.", "") if by_dtype else ""

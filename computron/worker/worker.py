@@ -34,7 +34,7 @@ from ..storage.store import Store
 from .changes import ModelChanges
 from .host_tier import HostTier
 from .master_watch import MasterSilence, MasterWatch, exit_master_gone
-from .shard_builder import BackgroundJobs, ShardBuilder
+from .shard_builder import BackgroundJobs, ShardBuilder, held_format
 
 log = logging.getLogger("computron.worker")
 
@@ -127,19 +127,9 @@ class Worker(ModelChanges, HostTier):
                                host_resident=self.host_resident(),
                                batching={m: r.batching_defaults() for m, r in self.runners.items()
                                          if isinstance(r, GenerativeRunner)},
-                               weight_formats={m: self.weight_format(m) for m in self.stores},
+                               weight_formats={m: held_format(self.runners[m], s) for m, s in self.stores.items()},
                                device_need={m: s.device_need for m, s in self.stores.items()
                                             if getattr(s, "device_need", 0) > s.nbytes})
-
-    def weight_format(self, model_id: str) -> str:
-        """``quant``'s format of its quantized Linears, else the dtype most of its bytes are in."""
-        fmt = getattr(self.runners[model_id], "weight_format", None)
-        if fmt:
-            return fmt
-        by_dtype: dict = {}
-        for s in self.stores[model_id].slots:
-            by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.numel * s.dtype.itemsize
-        return str(max(by_dtype, key=by_dtype.get)).replace("torch.", "") if by_dtype else ""
 
     def device_bytes(self) -> int:
         """Weights and KV caches held on this rank's device."""
