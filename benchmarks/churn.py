@@ -29,7 +29,7 @@ the same changes and the same requests (thread timing aside). ``--seed`` fixes t
 client's choices.
 
     .venv/bin/python benchmarks/churn.py --seconds 300 --seed 1
-    .venv/bin/python benchmarks/churn.py --quick --seed 7        # 40 s (the tests' path)
+    .venv/bin/python benchmarks/churn.py --quick --seed 7        # 30 s (the tests' path)
 """
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--max-loaded", type=int, default=2)
     p.add_argument("--request-timeout", type=float, default=120.0, help="a request or change taking longer hangs")
     p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench", "churn"))
-    p.add_argument("--quick", action="store_true", help="40 seconds")
+    p.add_argument("--quick", action="store_true", help="30 seconds")
     args = p.parse_args(argv)
     if args.quick:
-        args.seconds = 40.0
+        args.seconds = 30.0
     return args
 
 
@@ -249,6 +249,9 @@ def client_loop(run: Run, k: int) -> None:
             except httpx.HTTPError as exc:
                 run.fail(f"{what}: transport error {exc!r}")
                 return
+            except (ValueError, KeyError, TypeError) as exc:  # a body that is not the completion's JSON
+                run.fail(f"{what}: a malformed answer: {exc!r}")
+                return
             t1 = time.perf_counter()
             try:
                 check(run, mid, p, kind, r, t0, t1, *((texts, done, error) if r.status_code == 200 else ()))
@@ -358,7 +361,7 @@ def operator_loop(run: Run) -> None:
             except httpx.TimeoutException as exc:
                 run.fail(f"operator: {op} got no answer within {run.args.request_timeout}s (a hang): {exc!r}")
                 return
-            except (Failure, httpx.HTTPError) as exc:
+            except (Failure, httpx.HTTPError, ValueError, KeyError) as exc:
                 run.fail(f"operator: {exc!r}")
                 return
             with run.lock:
@@ -403,7 +406,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     root = args.dir
     paths = checkpoints(root, CHECKPOINTS)
-    adapter_paths = {a: lora(paths["c0"], root, a, seed=40 + i) for i, a in enumerate(ADAPTERS)}
+    adapter_paths = {a: lora(paths["c0"], root, seed=40 + i) for i, a in enumerate(ADAPTERS)}
     models = [{"id": m, "path": paths[f"c{i}"]} for i, m in enumerate(IDS)]
     server = Server(os.path.join(root, "runs"), models, {"tp": args.tp, "max_loaded": args.max_loaded})
     doc = {"benchmark": "churn", "seed": args.seed, "seconds": args.seconds, "clients": args.clients,
@@ -417,6 +420,9 @@ def main(argv=None):
         for i in range(len(PROMPTS)):
             answers = [v for (key, j), v in refs.items() if j == i]
             doc.setdefault("distinct_references", []).append(f"{len(set(answers))} of {len(answers)}")
+            if len(set(answers)) != len(answers):
+                raise RuntimeError(f"two checkpoints (or adapters) answer prompt {i} alike, so an answer from the "
+                                   f"wrong one could pass: {sorted(refs.items(), key=str)}")
         run = Run(args, server, paths, adapter_paths, refs)
         for i, m in enumerate(IDS):
             run.history.begin(m, (f"c{i}", None), 0.0)

@@ -37,23 +37,23 @@ def exit_on_sigterm() -> None:
 
 
 def checkpoints(root: str, specs: Dict[str, tuple]) -> Dict[str, str]:
-    """``{name: (zoo shape, seed)}`` -> ``{name: path}``: random-weight checkpoints under ``root`` sharing one
-    locally trained tokenizer (kept when already there)."""
+    """``{name: (zoo shape, seed)}`` -> ``{name: path}``: random-weight checkpoints under ``root`` (in folders
+named by shape and seed) sharing one locally trained tokenizer, kept when already there."""
     from computron import tokenizer_zoo
     tok = None
     paths = {}
     for name, (shape, seed) in specs.items():
-        path = os.path.join(root, name)
+        path = os.path.join(root, f"{shape}-seed{seed}")
         if not tokenizer_zoo.has_tokenizer(path) and tok is None:
             tok = tokenizer_zoo.train_bpe(vocab_size=512)
         paths[name] = tokenizer_zoo.save_checkpoint_with_tokenizer(shape, path, seed=seed, tokenizer=tok)
     return paths
 
 
-def lora(base_path: str, root: str, name: str, seed: int) -> str:
+def lora(base_path: str, root: str, seed: int) -> str:
     """A random PEFT LoRA adapter for the checkpoint ``base_path``, kept when already there."""
     from computron.testing.zoo_lora import save_random_lora
-    out = os.path.join(root, name)
+    out = os.path.join(root, f"lora-{os.path.basename(base_path)}-seed{seed}")
     if os.path.isfile(os.path.join(out, "adapter_config.json")):
         return out
     return save_random_lora(base_path, out, seed=seed)

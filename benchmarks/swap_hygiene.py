@@ -100,7 +100,7 @@ def rotation(extra: Dict[str, str]) -> List[str]:
 def model_entries(args) -> List[dict]:
     root = args.dir
     paths = checkpoints(root, BASES)
-    adapter = lora(paths["opt-a"], root, "opt-a-lora", seed=5)
+    adapter = lora(paths["opt-a"], root, seed=5)
     entries = [{"id": m, "path": p} for m, p in paths.items()]
     entries.append({"id": "opt-a-lora", "base": "opt-a", "adapter": adapter})
     entries += [{"id": m, "path": p} for m, p in sorted(args.extra_model.items())]
