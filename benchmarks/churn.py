@@ -56,11 +56,19 @@ CHECKPOINTS = {f"c{i}": ("opt-tiny" if i < 4 else "llama-tiny", 30 + i) for i in
 OPT = [c for c, (shape, _) in CHECKPOINTS.items() if shape == "opt-tiny"]
 IDS = [f"m{i}" for i in range(8)]
 ADAPTERS = ["a0", "a1"]
-PROMPTS = ["The engine swaps models", "def submit(self, model_id"]
+PROMPTS = ["The engine swaps models", "def submit(self, model_id", "GPU memory is", "a queue of requests", "x = 1;",
+           "The worker loads its shard"]
+"""Candidate prompts: the run uses the first ``USED_PROMPTS`` to which the eight checkpoints and the adapters on
+the OPT ones all answer differently (tiny random models often loop on one token, and byte tokens that are no whole
+character all read as U+FFFD), so that an answer of the wrong model or adapter cannot pass."""
+USED_PROMPTS = 2
 MAX_TOKENS = 6
 MIN_SERVED = 3
 Key = Tuple[str, Optional[str]]
 """What an id serves: (checkpoint, adapter or None)."""
+Answer = Tuple[str, Tuple[str, ...]]
+"""A choice's text and its tokens (``logprobs: 0``'s token strings: one per id, where texts of byte tokens that
+are no whole character all read as U+FFFD)."""
 
 
 def parse_args(argv=None):
@@ -71,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--max-loaded", type=int, default=2)
     p.add_argument("--request-timeout", type=float, default=120.0, help="a request or change taking longer hangs")
-    p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench", "churn"))
+    p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench", "churn-v2"))
     p.add_argument("--quick", action="store_true", help="30 seconds")
     args = p.parse_args(argv)
     if args.quick:
@@ -129,6 +137,8 @@ class Run:
     history: History = field(default_factory=History)
     stop: threading.Event = field(default_factory=threading.Event)
     failures: List[str] = field(default_factory=list)
+    prompts: List[int] = field(default_factory=list)
+    """The indices in ``PROMPTS`` the clients send."""
     requests: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -150,7 +160,11 @@ class Run:
 
 def completion(client: httpx.Client, url: str, model: str, prompt: str, n: int = 1) -> httpx.Response:
     return client.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                      "temperature": 0, "n": n})
+                                                      "temperature": 0, "n": n, "logprobs": 0})
+
+
+def answer_of(choice: dict) -> Answer:
+    return choice["text"], tuple(choice["logprobs"]["tokens"])
 
 
 def change(client: httpx.Client, url: str, op: str, mid: str, path: Optional[str] = None,
@@ -174,7 +188,7 @@ def references(server: Server, paths: Dict[str, str], adapter_paths: Dict[str, s
                 r = completion(client, server.url, mid, prompt)
                 if r.status_code != 200:
                     raise RuntimeError(f"reference of {key} from {mid}: {r.status_code} {r.text[:300]}")
-                refs[(key, i)] = r.json()["choices"][0]["text"]
+                refs[(key, i)] = answer_of(r.json()["choices"][0])
         for i, mid in enumerate(IDS):
             ask(mid, (f"c{i}", None))
         for i, mid in enumerate(IDS):
@@ -197,24 +211,28 @@ def references(server: Server, paths: Dict[str, str], adapter_paths: Dict[str, s
 KINDS = ("plain", "plain_n2", "stream", "stream_n2", "cancel")
 
 
-def read_stream(r: httpx.Response, n: int, cancel: bool) -> Tuple[List[str], bool, Optional[str]]:
-    """The choices' texts, whether ``[DONE]`` came, and the first error event (None when there was none).
-    With ``cancel``, stops after the first chunk that carries text (the caller then closes the stream)."""
-    texts = [""] * n
+def read_stream(r: httpx.Response, n: int, cancel: bool) -> Tuple[List[Answer], bool, Optional[str]]:
+    """The choices' answers, whether ``[DONE]`` came, and the first error event (None when there was none).
+    With ``cancel``, stops after the first chunk that carries a token (the caller then closes the stream)."""
+    texts, tokens = [""] * n, [[] for _ in range(n)]
+
+    def answers():
+        return [(t, tuple(k)) for t, k in zip(texts, tokens)]
     for line in r.iter_lines():
         if not line.startswith("data: "):
             continue
         payload = line[len("data: "):]
         if payload == "[DONE]":
-            return texts, True, None
+            return answers(), True, None
         obj = json.loads(payload)
         if "error" in obj:
-            return texts, False, json.dumps(obj["error"])[:500]
+            return answers(), False, json.dumps(obj["error"])[:500]
         for ch in obj.get("choices", []):
             texts[ch["index"]] += ch.get("text") or ""
-        if cancel and any(texts):
-            return texts, False, None
-    return texts, False, None
+            tokens[ch["index"]] += (ch.get("logprobs") or {}).get("tokens") or []
+        if cancel and any(tokens):
+            return answers(), False, None
+    return answers(), False, None
 
 
 def client_loop(run: Run, k: int) -> None:
@@ -223,12 +241,12 @@ def client_loop(run: Run, k: int) -> None:
     with httpx.Client(timeout=run.args.request_timeout) as client:
         while not run.stop.is_set():
             mid = rng.choice(IDS + ADAPTERS)
-            p = rng.randrange(len(PROMPTS))
+            p = rng.choice(run.prompts)
             kind = rng.choice(KINDS)
             n = 2 if kind.endswith("n2") else 1
             stream = kind != "plain" and kind != "plain_n2"
             body = {"model": mid, "prompt": PROMPTS[p], "max_tokens": MAX_TOKENS, "temperature": 0, "n": n,
-                    "stream": stream}
+                    "stream": stream, "logprobs": 0}
             what = f"client {k}: {kind} {mid} prompt {p}"
             t0 = time.perf_counter()
             try:
@@ -241,8 +259,8 @@ def client_loop(run: Run, k: int) -> None:
                 else:
                     r = client.post(url + "/v1/completions", json=body)
                     if r.status_code == 200:
-                        texts, done, error = [c["text"] for c in sorted(r.json()["choices"],
-                                                                         key=lambda c: c["index"])], True, None
+                        texts, done, error = [answer_of(c) for c in sorted(r.json()["choices"],
+                                                                           key=lambda c: c["index"])], True, None
             except httpx.TimeoutException as exc:
                 run.fail(f"{what}: no answer within {run.args.request_timeout}s (a hang): {exc!r}")
                 return
@@ -261,7 +279,7 @@ def client_loop(run: Run, k: int) -> None:
 
 
 def check(run: Run, mid: str, p: int, kind: str, r: httpx.Response, t0: float, t1: float,
-          texts: Optional[List[str]] = None, done: bool = False, error: Optional[str] = None) -> None:
+          texts: Optional[List[Answer]] = None, done: bool = False, error: Optional[str] = None) -> None:
     status = r.status_code
     if status != 200:
         try:
@@ -283,7 +301,7 @@ def check(run: Run, mid: str, p: int, kind: str, r: httpx.Response, t0: float, t
     if error is not None:
         raise Failure(f"the stream ended with an error event after its first token: {error}")
     if kind == "cancel":
-        if not any(any(ref.startswith(t) for ref in allowed) for t in texts if t):
+        if not any(any(ref[1][:len(t[1])] == t[1] for ref in allowed) for t in texts if t[1]):
             raise Failure(f"cancelled stream's text {texts!r} starts no answer of {mid} ({allowed!r})")
         run.count("cancelled")
         return
@@ -417,13 +435,17 @@ def main(argv=None):
     try:
         log("churn", f"server {server.url} ready; references ...")
         refs = references(server, paths, adapter_paths)
+        prompts = []
         for i in range(len(PROMPTS)):
             answers = [v for (key, j), v in refs.items() if j == i]
             doc.setdefault("distinct_references", []).append(f"{len(set(answers))} of {len(answers)}")
-            if len(set(answers)) != len(answers):
-                raise RuntimeError(f"two checkpoints (or adapters) answer prompt {i} alike, so an answer from the "
-                                   f"wrong one could pass: {sorted(refs.items(), key=str)}")
-        run = Run(args, server, paths, adapter_paths, refs)
+            if len(set(answers)) == len(answers) and len(prompts) < USED_PROMPTS:
+                prompts.append(i)
+        if len(prompts) < USED_PROMPTS:
+            raise RuntimeError(f"fewer than {USED_PROMPTS} prompts are answered differently by every checkpoint and "
+                               f"adapter: {doc['distinct_references']}")
+        doc["prompts"] = [PROMPTS[i] for i in prompts]
+        run = Run(args, server, paths, adapter_paths, refs, prompts=prompts)
         for i, m in enumerate(IDS):
             run.history.begin(m, (f"c{i}", None), 0.0)
         for a in ADAPTERS:

@@ -36,16 +36,39 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
 
 
+_WORDS = ("the engine swaps models def submit self model_id a of to in is and for on with request token answer "
+          "server worker load offload memory device host cache prompt stream stop queue batch step rank shard "
+          "layer weight adapter base version replace remove add serve client time byte file thread process").split()
+
+
+def corpus(root: str) -> str:
+    """A text file of seeded word salad to train the tokenizer on: the same file whatever the repository holds
+    (the tokenizer zoo's default corpus is the package's own sources, which change with every commit), so that
+    the checkpoints' greedy answers, which the benchmarks tell apart, stay the same."""
+    import random
+    path = os.path.join(root, "corpus.txt")
+    if not os.path.isfile(path):
+        rng = random.Random(0)
+        lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randrange(4, 16))) + rng.choice(".,:;()=_")
+                 for _ in range(4000)]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
 def checkpoints(root: str, specs: Dict[str, tuple]) -> Dict[str, str]:
     """``{name: (zoo shape, seed)}`` -> ``{name: path}``: random-weight checkpoints under ``root`` (in folders
-named by shape and seed) sharing one locally trained tokenizer, kept when already there."""
+named by shape and seed) sharing one tokenizer trained on ``corpus``, kept when already there."""
     from computron import tokenizer_zoo
     tok = None
     paths = {}
+    os.makedirs(root, exist_ok=True)
     for name, (shape, seed) in specs.items():
         path = os.path.join(root, f"{shape}-seed{seed}")
         if not tokenizer_zoo.has_tokenizer(path) and tok is None:
-            tok = tokenizer_zoo.train_bpe(vocab_size=512)
+            tok = tokenizer_zoo.train_bpe([corpus(root)], vocab_size=512)
         paths[name] = tokenizer_zoo.save_checkpoint_with_tokenizer(shape, path, seed=seed, tokenizer=tok)
     return paths
 

@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--engine", action="append", default=[], metavar="KEY=JSON",
                    help="one more engine: setting (YAML value), e.g. metrics_history=1000; repeatable")
     p.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "computron-bench",
-                                                 "swap_hygiene"))
+                                                 "swap_hygiene-v2"))
     p.add_argument("--quick", action="store_true", help="300 swaps measured every 100, TP=2")
     args = p.parse_args(argv)
     if args.quick:
