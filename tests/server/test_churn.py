@@ -6,6 +6,7 @@ served at some moment of its request, every refusal a 404 for an id unserved at 
 is checked on answers a broken server would give."""
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 from helpers import run_main
@@ -17,7 +18,7 @@ SEED = 3
 @pytest.mark.timeout(900)
 def test_churn_through_serve_fails_no_request(tmp_path):
     doc, _ = run_main(os.path.join(ROOT, "benchmarks", "churn.py"), "--quick", "--seed", str(SEED),
-                      "--dir", str(tmp_path))
+                      "--dir", str(tmp_path), "--count-split-choices")
     assert doc["pass"], f"seed {doc['seed']} failed ({doc['replay']}): {doc['failures']}"
     assert doc["failures"] == [] and doc["leftover_processes"] == [] and doc["server_exit"] == 0, doc
     assert len(doc["prompts"]) == 2, doc  # prompts every checkpoint and adapter answers differently
@@ -53,7 +54,7 @@ def answer(text):
 
 def test_the_checker_catches_a_wrong_model_a_late_404_and_a_5xx(churn):
     zero, one, adapted = answer("zero"), answer("one"), answer("adapted")
-    run = churn.Run(args=None, server=None, paths={}, adapter_paths={},
+    run = churn.Run(args=SimpleNamespace(count_split_choices=False), server=None, paths={}, adapter_paths={},
                     refs={(("c0", None), 0): zero, (("c1", None), 0): one, (("c0", "a0"), 0): adapted})
     run.history.begin("m0", ("c0", None), 0.0)
     run.history.begin("a0", ("c0", "a0"), 0.0)
@@ -85,3 +86,9 @@ def test_the_checker_catches_a_wrong_model_a_late_404_and_a_5xx(churn):
     churn.check(run, "m0", 0, "plain", ok, 3.5, 3.6, [one], True)
     with pytest.raises(churn.Failure):
         churn.check(run, "m0", 0, "plain", ok, 4.5, 4.6, [zero], True)
+    # with --count-split-choices, an n=2 answer whose choices came from the two versions is counted, not failed
+    run.args = SimpleNamespace(count_split_choices=True)
+    churn.check(run, "m0", 0, "plain_n2", ok, 3.5, 3.6, [zero, one], True)
+    assert run.requests["split_choices"] == 1
+    with pytest.raises(churn.Failure):
+        churn.check(run, "m0", 0, "plain_n2", ok, 4.5, 4.6, [zero, one], True)
