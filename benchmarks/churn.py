@@ -436,7 +436,8 @@ def main(argv=None):
     doc = {"benchmark": "churn", "seed": args.seed, "seconds": args.seconds, "clients": args.clients,
            "tp": args.tp, "max_loaded": args.max_loaded,
            "replay": f"python benchmarks/churn.py --seconds {args.seconds:g} --seed {args.seed} --clients "
-                     f"{args.clients} --tp {args.tp} --max-loaded {args.max_loaded}"}
+                     f"{args.clients} --tp {args.tp} --max-loaded {args.max_loaded}"
+                     + (" --count-split-choices" if args.count_split_choices else "")}
     run = None
     try:
         log("churn", f"server {server.url} ready; references ...")
