@@ -114,11 +114,20 @@ _ON_OFF_FIELDS = ("compile_decode", "pin_workers")
 """Engine fields whose values include 'on' or 'off' (a YAML file may write them bare)."""
 
 
+SERVE_METRICS_HISTORY = 2_000
+"""``EngineConfig.metrics_history`` under ``computron serve`` unless ``engine:`` sets it. The server reads no
+record (``/metrics`` and the status page read running totals and the event timeline), and with the library's
+100 000 the master's memory grew by about 7 KB per swapped request for the first ~20 000 of them
+(``benchmarks/swap_hygiene.py``); 2 000 records are a few MB, full within minutes."""
+
+
 def parse_engine(raw: Any) -> tuple:
-    """EngineConfig from a mapping whose keys are EngineConfig's fields (plus tp and pp)."""
+    """EngineConfig from a mapping whose keys are EngineConfig's fields (plus tp and pp); ``metrics_history``
+    defaults to ``SERVE_METRICS_HISTORY``."""
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError("engine: must be a mapping")
     raw = dict(raw or {})
+    raw.setdefault("metrics_history", SERVE_METRICS_HISTORY)
     tp, pp = raw.pop("tp", 1), raw.pop("pp", 1)
     for name, v in (("engine.tp", tp), ("engine.pp", pp)):
         _check_type(name, v, int)
