@@ -57,8 +57,8 @@ class EngineConfig:
     product for a few rows)."""
     cpu_decode_attention: bool = True
     """CPU workers run a paged decode step's attention straight from the KV pool (``models/cpu_attention.py``,
-    one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
-    False keeps the model's own SDPA over the gathered keys."""
+    one intra-op thread, float32, the families ``attention.DIRECT_FAMILIES`` names) where ``attention_backend``
+    is 'auto': no gather, padding or mask; False keeps the model's own SDPA over the gathered keys."""
     attention_backend: str = "auto"
     """How a paged model's attention layers read the KV pool (``models/attention.py``), chosen once per model
     at load: 'paged' (FlexAttention through the block tables, the pool read in place, each query against its

@@ -94,7 +94,9 @@ def install(model: torch.nn.Module, backend: str) -> None:
     config = model.config
     if getattr(config, "_attn_implementation", None) == name:
         return
-    setattr(config, FALLBACK_ATTR, getattr(config, "_attn_implementation", None) or "sdpa")
+    current = getattr(config, "_attn_implementation", None)
+    if current not in NAMES.values():
+        setattr(config, FALLBACK_ATTR, current or "sdpa")
     config._attn_implementation = name
 
 

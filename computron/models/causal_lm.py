@@ -60,20 +60,17 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
 
 def _running_batch(config, ctx: StageContext, module, layers: int):
     """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``, its first
-    blocks ``kv_reserve`` of this stage's weight bytes; its layers read it through the attention backend
-    ``attention.choose`` resolves, installed in the model here) or in transformers' DynamicCache, left-padded."""
+    blocks ``kv_reserve`` of this stage's weight bytes), read through the attention backend ``attention``
+    chooses and installs here, or in transformers' DynamicCache, left-padded."""
     if ctx.kv_cache == "paged":
         from . import attention
         from .kv_pool import initial_blocks
         from .paged_running import PagedBatch
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
-        batch = PagedBatch(config, block_size=ctx.kv_block_size,
-                           initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
-                                                         ctx.kv_reserve * weights),
-                           prefix_cache=ctx.prefix_cache)
-        backend = attention.choose(ctx.attention_backend, config, ctx.device, ctx.cpu_attention)
-        attention.install(module, backend)
-        batch.cache.backend = backend
+        batch = PagedBatch(config, ctx.kv_block_size, initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
+                                                                     ctx.kv_reserve * weights), ctx.prefix_cache)
+        batch.cache.backend = attention.choose(ctx.attention_backend, config, ctx.device, ctx.cpu_attention)
+        attention.install(module, batch.cache.backend)
         return batch
     from .running import RunningBatch
     return RunningBatch()
