@@ -70,9 +70,8 @@ class _Step:
         self.kv = _pool(config, backend, lengths, block_size)
         self.backend, self.layers, self.layer = backend, layers, _Layer(config)
         self.counts = counts
-        t0 = time.perf_counter()
         self.mask = self.kv.prepare([(sid, c) for sid, c in enumerate(counts)], torch.device("cpu"), torch.float32)
-        self.prepare_s = time.perf_counter() - t0
+        self.prepare_s = self.time_prepare(config, lengths, block_size)
         gen = torch.Generator().manual_seed(1)
         b, n = (len(counts), 1) if self.kv.batched else (1, sum(counts))
         self.q = torch.randn(b, HEADS, n, DIM, generator=gen)
@@ -82,6 +81,16 @@ class _Step:
         attention.install(model, backend)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         self.fn = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+
+    def time_prepare(self, config, lengths, block_size: int, repeats: int = 3) -> float:
+        """The median time of ``PagedKV.prepare`` for this step (each on a fresh pool: it reserves slots)."""
+        times = []
+        for _ in range(repeats):
+            kv = _pool(config, self.backend, lengths, block_size)
+            t0 = time.perf_counter()
+            kv.prepare([(sid, c) for sid, c in enumerate(self.counts)], torch.device("cpu"), torch.float32)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
     def layer_call(self):
         key, value = self.kv.update(self.k, self.v, 0)
@@ -95,12 +104,12 @@ class _Step:
         return time.perf_counter() - t0
 
     def allocated(self) -> int:
-        """Bytes allocated by one layer's update + attention (the profiler's CPU memory events)."""
+        """Bytes allocated by one layer's update + attention (the profiler's CPU memory events: every
+        allocation, freed or not, counted once)."""
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             self.layer_call()
-        return sum(max(0, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0
-                   and e.name == "[memory]")
+        return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0)
 
     def new_and_out_bytes(self) -> int:
         return (self.k.numel() + self.v.numel() + self.q.numel()) * 4

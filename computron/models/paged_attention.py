@@ -24,6 +24,7 @@ the device in one copy (``ship``; pinned host memory on CUDA).
 from __future__ import annotations
 
 import functools
+import re
 import types
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -180,7 +181,8 @@ def compiled(bucket: Tuple) -> Callable:
     there is a window, a soft cap, one row, one query per row): each its own function (a code object of its
     own), for dynamo keeps at most ``recompile_limit`` graphs per code object and specialises sizes 1 and
     head counts; within a bucket, sizes are dynamic (one graph for every batch, query length and pool)."""
-    fn = types.FunctionType(_call.__code__.replace(co_name=f"paged_flex_{abs(hash(bucket))}"), _call.__globals__)
+    name = "paged_flex_" + re.sub(r"\W", "_", "_".join(map(str, bucket)))  # the same in every process:
+    fn = types.FunctionType(_call.__code__.replace(co_name=name), _call.__globals__)  # inductor's disk cache hits
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 

@@ -57,7 +57,7 @@ def _serve(model, block_size: int, stop_early=None, pow2: bool = False, backend:
             rb.unpark(torch.device("cpu"))
             ids, mask, _ = rb.step_inputs(prompts, [s.sid for s in specs], torch.device("cpu"), torch.float32)
             tokens = _forward(model, ids, mask, rb.cache).argmax(-1)
-            if rb.cache.batched:
+            if rb.cache.batched and rb.cache._shape is not None:  # a gathered decode batch's width
                 widths.add(rb.cache._shape[1])
             rb.joined(specs, {}, mask, tokens)
             for s, t in zip(rb.sids, tokens.tolist()):
