@@ -139,7 +139,9 @@ class PagedKV:
         return new
 
     def _pool(self, shape, dtype, device) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        """Zeros, not empty memory: a backend reading the pool in place weighs a block's unwritten slots by 0,
+        and 0 x NaN (whatever the memory held) would be NaN."""
+        t = torch.zeros(shape, dtype=dtype, device=device)
         if self.pow2_width:  # written in place by a CUDA graph: a static input, or inductor skips the graph
             torch._dynamo.mark_static_address(t)
         return t
