@@ -242,6 +242,6 @@ def test_prefix_cache_setting_is_validated_and_reaches_the_pool(on):
     with pytest.raises(ValueError, match="prefix_cache='yes'"):
         EngineConfig(prefix_cache="yes")
     ctx = SimpleNamespace(kv_cache="paged", kv_block_size=4, tp=1, kv_reserve=0.1, prefix_cache=on,
-                          device=torch.device("cpu"), cpu_attention=False)
+                          device=torch.device("cpu"), cpu_attention=False, attention_backend="auto")
     config = SimpleNamespace(num_key_value_heads=2, num_attention_heads=2, hidden_size=8, head_dim=None)
     assert _running_batch(config, ctx, torch.nn.Linear(8, 8), 1).prefix_cache is on
