@@ -21,6 +21,7 @@ runs the model's original implementation.
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -87,22 +88,30 @@ def install(model: torch.nn.Module, backend: str) -> None:
     if backend not in NAMES:
         return
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-    name = NAMES[backend]
-    AttentionInterface.register(name, _paged if backend == "paged" else _cpu_paged)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     config = model.config
-    if getattr(config, "_attn_implementation", None) == name:
-        return
     current = getattr(config, "_attn_implementation", None)
-    if current not in NAMES.values():
-        setattr(config, FALLBACK_ATTR, current or "sdpa")
+    if current is not None and current.startswith(NAMES[backend]):
+        return
+    fallback = getattr(config, FALLBACK_ATTR, None) if current is not None and current.startswith("computron_") \
+        else current or "sdpa"
+    fallback = fallback or "sdpa"
+    name = NAMES[backend] + ("" if fallback == "sdpa" else f"_{fallback}")  # without a step: that one's mask
+    AttentionInterface.register(name, _paged if backend == "paged" else _cpu_paged)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[fallback]
+                                    if fallback in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask)
+    setattr(config, FALLBACK_ATTR, fallback)
     config._attn_implementation = name
 
 
 def _fallback(module, *args, **kwargs):
+    """The model's original attention: a registered one, or "eager", which is the model's own module-level
+    ``eager_attention_forward`` (what its layers fall back to)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    return ALL_ATTENTION_FUNCTIONS[getattr(module.config, FALLBACK_ATTR, "sdpa")](module, *args, **kwargs)
+    name = getattr(module.config, FALLBACK_ATTR, "sdpa")
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name](module, *args, **kwargs)
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
 
 
 def _paged(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,

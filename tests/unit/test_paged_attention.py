@@ -118,3 +118,23 @@ def test_backend_choice_and_errors(monkeypatch):
         attention.choose("flash", llama, cpu)
     with pytest.raises(ValueError, match="EngineConfig.attention_backend='flash'"):
         EngineConfig(attention_backend="flash")
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_forward_without_a_paged_step_runs_the_original_attention(impl):
+    """A request-level batch (transformers' DynamicCache, no ``paged_step``) through an installed model runs
+    its original implementation, mask included; installing twice changes nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                         intermediate_size=64, vocab_size=64)
+    config._attn_implementation = impl
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5], [0, 0, 6, 7, 8]])
+    mask = (ids != 0).long()
+    with torch.inference_mode():
+        want = model(ids, attention_mask=mask).logits
+        attention.install(model, "paged")
+        attention.install(model, "paged")
+        got = model(ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == attention.NAMES["paged"] + ("" if impl == "sdpa" else "_eager")
+    torch.testing.assert_close(got, want)
