@@ -227,6 +227,7 @@ class PagedStep:
         returns [B, n, H, D], as transformers' attention functions do."""
         window = self.window_of(layer)
         if self.batched:
+            query = query.contiguous()  # the layers' is a transposed view (inductor's CPU template wants strides)
             out = flex(query, key, value, self.block_mask(0, window, key.shape[2]), scale, softcap, bool(window))
             return out.transpose(1, 2)
         heads, dim = query.shape[1], query.shape[3]
