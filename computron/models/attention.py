@@ -89,19 +89,21 @@ def install(model: torch.nn.Module, backend: str) -> None:
         return
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    config = model.config
-    current = getattr(config, "_attn_implementation", None)
-    if current is not None and current.startswith(NAMES[backend]):
-        return
-    fallback = getattr(config, FALLBACK_ATTR, None) if current is not None and current.startswith("computron_") \
-        else current or "sdpa"
-    fallback = fallback or "sdpa"
-    name = NAMES[backend] + ("" if fallback == "sdpa" else f"_{fallback}")  # without a step: that one's mask
-    AttentionInterface.register(name, _paged if backend == "paged" else _cpu_paged)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[fallback]
-                                    if fallback in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask)
-    setattr(config, FALLBACK_ATTR, fallback)
-    config._attn_implementation = name
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+               if c is not None and hasattr(c, "_attn_implementation")}  # a TP split may copy layers' configs
+    for config in configs.values():
+        current = getattr(config, "_attn_implementation", None)
+        if current is not None and current.startswith(NAMES[backend]):
+            continue
+        fallback = getattr(config, FALLBACK_ATTR, None) if current is not None and current.startswith("computron_") \
+            else current
+        fallback = fallback or "sdpa"
+        name = NAMES[backend] + ("" if fallback == "sdpa" else f"_{fallback}")  # without a step: that one's mask
+        AttentionInterface.register(name, _paged if backend == "paged" else _cpu_paged)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[fallback]
+                                        if fallback in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask)
+        setattr(config, FALLBACK_ATTR, fallback)
+        config._attn_implementation = name
 
 
 def _fallback(module, *args, **kwargs):
