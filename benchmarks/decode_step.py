@@ -7,7 +7,7 @@ grown by a copy each step) or ``paged_running.PagedBatch`` (blocks of one pool p
 Prints ONE JSON line: per cache the mean milliseconds of a decode step, and with ``--profile`` the share of
 the step each kind of operator took (torch.profiler, self CPU time), so what dominates is visible. A third
 run, ``direct``, is the paged pool with its decode attention read in place by ``kernels/cpu/attention.py``
-(where ``kv_pool.direct_fits``: one thread, a CPU; else it says ``"direct": false``; compiled, the kernel is
+(where ``attention.direct_fits``: one thread, a CPU; else it says ``"direct": false``; compiled, the kernel is
 the opaque operator ``computron::paged_decode``): ``direct_over_paged``.
 ``--compile on`` runs every cache eager and compiled (``models/decode_compile``: the backbone's decode steps
 through torch.compile; on ``--device cuda`` the paged pool's as CUDA graphs), alternating A B A B, and
@@ -48,7 +48,7 @@ def load(name: str):
 def forward(model, backbone, ids, mask, cache, positions, last):
     kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
     hidden = backbone(ids.shape[1] == 1, input_ids=ids, attention_mask=mask, position_ids=positions,
-                      use_cache=True, **{kw: cache}).last_hidden_state
+                      use_cache=True, **{kw: cache}, **getattr(cache, "forward_kwargs", dict)()).last_hidden_state
     return model.get_output_embeddings()(hidden[0, last] if last is not None else hidden[:, -1]).float()
 
 
@@ -68,12 +68,12 @@ def step_once(model, backbone, kind: str, rb, admit, specs, dev: torch.device) -
 def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: torch.device):
     from computron.models.paged_running import PagedBatch
     from computron.models.running import RunningBatch
-    from computron.models.kv_pool import direct_fits
+    from computron.models.attention import direct_fits
     rb = RunningBatch() if kind == "dynamic" else PagedBatch(model.config)
     if kind != "dynamic" and backbone.enabled and dev.type == "cuda":
         rb.cache.pow2_width = True  # as CausalLMRunner sets it: few gather widths, one CUDA graph each
     if kind == "direct":
-        rb.cache.direct = direct_fits(model.config, dev)  # as CausalLMRunner sets it (cpu_attention)
+        rb.cache.backend = "cpu_paged" if direct_fits(model.config, dev) else "gathered"  # as attention.choose
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     specs = [SimpleNamespace(sid=i, max_tokens=steps + 1) for i in range(len(prompts))]
     times, prof = [], None
@@ -92,7 +92,7 @@ def run(model, backbone, kind: str, prompts, steps: int, profile: bool, dev: tor
                 prof = watch
     out = {"ms_per_step": round(1e3 * sum(times) / len(times), 2)}
     if kind == "direct":
-        out["direct"] = rb.cache.direct
+        out["direct"] = rb.cache.backend == "cpu_paged"
     if prof is not None:
         ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         total = sum(e.self_cpu_time_total for e in ev) or 1
@@ -120,8 +120,9 @@ def main(argv=None) -> int:
     if args.worker_linears and dev.type == "cpu":
         from computron.kernels.cpu.linear import use_cpu_kernels
         use_cpu_kernels(model, pack=True)
-    from computron.models.kv_pool import direct_fits
-    direct_fits(model.config, dev)  # its attention hook before any compilation, as in a worker (no recompile later)
+    from computron.models import attention
+    if attention.direct_fits(model.config, dev):  # its attention hook before any compilation, as in a worker
+        attention.install(model, "cpu_paged")
     eager = DecodeCompiler(model.base_model, "off", dev)
     compiled = {kind: DecodeCompiler(model.base_model, "on", dev, graphs=kind == "paged",  # as a runner has it
                                      eager_first=args.worker_linears and dev.type == "cpu")

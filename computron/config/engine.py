@@ -59,8 +59,15 @@ class EngineConfig:
     few rows)."""
     cpu_decode_attention: bool = True
     """CPU workers run a paged decode step's attention straight from the KV pool (``kernels/cpu/attention.py``,
-    one intra-op thread, float32, the families ``kv_pool.DIRECT_FAMILIES`` names): no gather, padding or mask;
-    False keeps the model's own SDPA over the gathered keys."""
+    one intra-op thread, float32, the families ``attention.DIRECT_FAMILIES`` names) where ``attention_backend``
+    is 'auto': no gather, padding or mask; False keeps the model's own SDPA over the gathered keys."""
+    attention_backend: str = "auto"
+    """How a paged model's attention layers read the KV pool (``models/attention.py``), chosen once per model
+    at load: 'paged' (FlexAttention through the block tables, the pool read in place, each query against its
+    own sequence's keys only; the same code on CPU and CUDA; the families ``attention.SEAM_FAMILIES`` names),
+    'gathered' (the model's own attention over each row's keys gathered out of the pool under a mask),
+    'cpu_paged' (decode steps through the CPU C kernel: ``cpu_decode_attention``'s conditions) or 'auto'
+    ('paged' on CUDA; on a CPU 'cpu_paged' where it fits, else 'gathered': docs/performance.md)."""
     cpu_helpers: bool = True
     """CPU workers computing on one intra-op thread, where a model runs on packed Linears (``pack_cpu_linears``), share
     those Linears' products with helper threads at idle priority, one per core beyond the workers'
@@ -222,6 +229,8 @@ class EngineConfig:
             _fail(c, "pin_workers", self.pin_workers, "must be 'off' or 'auto'")
         if not isinstance(self.cpu_decode_attention, bool):
             _fail(c, "cpu_decode_attention", self.cpu_decode_attention, "must be True or False")
+        if self.attention_backend not in ("auto", "paged", "gathered", "cpu_paged"):
+            _fail(c, "attention_backend", self.attention_backend, "must be 'auto', 'paged', 'gathered' or 'cpu_paged'")
         if not isinstance(self.cpu_helpers, bool):
             _fail(c, "cpu_helpers", self.cpu_helpers, "must be True or False")
         if not (isinstance(self.pack_cpu_linears, bool) or self.pack_cpu_linears == "pinned"):

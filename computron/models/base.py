@@ -51,6 +51,8 @@ class StageContext:
     pack_linears: bool = True
     """``EngineConfig.pack_cpu_linears``: a CPU rank's Linears run on weights packed for oneDNN."""
     cpu_attention: bool = True
+    attention_backend: str = "auto"
+    """``EngineConfig.attention_backend``: how a paged model's layers read the pool (``attention.choose``)."""
     """``EngineConfig.cpu_decode_attention``: a CPU rank's paged decode steps attend from the pool in place."""
 
     @property

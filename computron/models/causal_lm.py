@@ -59,18 +59,17 @@ def _eos_ids(eos, device) -> Optional[torch.Tensor]:
 
 
 def _running_batch(config, ctx: StageContext, module, layers: int):
-    """The model's running sequences: in a paged KV pool (``EngineConfig.kv_cache='paged'``, its first
-    blocks ``kv_reserve`` of this stage's weight bytes; decode attention from it in place where
-    ``kv_pool.direct_fits``) or in transformers' DynamicCache, left-padded."""
+    """The model's running sequences: in a paged KV pool (first blocks: ``kv_reserve`` of this stage's weight
+    bytes) read through the backend ``attention`` chooses and installs, or in a left-padded DynamicCache."""
     if ctx.kv_cache == "paged":
-        from .kv_pool import direct_fits, initial_blocks
+        from . import attention
+        from .kv_pool import initial_blocks
         from .paged_running import PagedBatch
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
-        batch = PagedBatch(config, block_size=ctx.kv_block_size,
-                           initial_blocks=initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
-                                                         ctx.kv_reserve * weights),
-                           prefix_cache=ctx.prefix_cache)
-        batch.cache.direct = direct_fits(config, ctx.device, ctx.cpu_attention)
+        batch = PagedBatch(config, ctx.kv_block_size, initial_blocks(config, ctx.tp, layers, ctx.kv_block_size,
+                                                                     ctx.kv_reserve * weights), ctx.prefix_cache)
+        batch.cache.backend = attention.choose(ctx.attention_backend, config, ctx.device, ctx.cpu_attention)
+        attention.install(module, batch.cache.backend)
         return batch
     from .running import RunningBatch
     return RunningBatch()
@@ -124,6 +123,7 @@ class CausalLMRunner(GenerativeRunner):
         (last stage): ``{row: n}`` for the rows whose prompt (their last ``n`` positions) is scored too,
         filled in place with the logits of positions ``-n .. -2`` ([n - 1, V], each predicting the next)."""
         kwargs = {"attention_mask": attention_mask, self._cache_kw: cache, "use_cache": True}
+        kwargs.update(getattr(cache, "forward_kwargs", dict)())  # the paged attention backend's step metadata
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         if self.ctx.is_first:

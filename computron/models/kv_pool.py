@@ -5,11 +5,13 @@ tokens is ``sched.kv_blocks.BlockTables``' business. A step's tokens run as ONE 
 running sequences' newest tokens and the joining prompts, concatenated, no padding): ``prepare`` reserves
 their slots and builds, once per step, the slot indices to write and to read, each token's position and the
 attention mask; the model's attention layers then call ``update`` (transformers' cache interface), which
-writes the step's keys and values into their slots (``index_copy_``, nothing else is copied into the pool)
-and returns every sequence's keys and values gathered in order; the mask (block diagonal, causal, and
-windowed for sliding-window layers) keeps each token to its own sequence's past. The attention itself stays
-the model's own (``config._attn_implementation``: sdpa, eager with soft-capping, ...), so every family that
-goes through transformers' attention interface runs unchanged.
+writes the step's keys and values into their slots (``index_copy_``, nothing else is copied into the pool).
+What it returns is the attention backend's business (``attention``, ``backend``): ``gathered`` returns every
+sequence's keys and values gathered in order, under a mask (block diagonal, causal, and windowed for
+sliding-window layers) that keeps each token to its own sequence's past, for the model's own attention;
+``paged`` returns the pool itself, which ``paged_attention`` reads through the step's block tables
+(``forward_kwargs``: the step's metadata, a keyword of the backbone's forward); ``cpu_paged`` does so for
+decode steps (the C kernel) and gathers for the others.
 
 The pool grows (doubling, one copy per layer) when a step needs more blocks than are free; it starts at
 ``initial_blocks``. Prompts may start with blocks cached by earlier ones (``prepare``'s ``joins``; the
@@ -18,11 +20,12 @@ memory and frees the device pool; ``unpark`` brings them back.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..sched.kv_blocks import BlockTables
+from .paged_attention import ship
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -81,9 +84,11 @@ class PagedKV:
         self.pow2_width = False
         """Decode gathers as wide as the next power of two (>= 16): few distinct shapes, one CUDA graph each
         (``decode_compile``); the extra columns are masked. The pools are then marked static addresses."""
-        self.direct = False
-        """Decode steps attend from the pool in place (``cpu_attention``, set where ``direct_fits``): ``update``
-        hands the attention function the pools themselves, which ``attention`` recognises."""
+        self.backend = "gathered"
+        """How the layers read the pool (``attention.BACKENDS``, resolved; set at load by the runner)."""
+        self.step = None
+        """The step's metadata for a backend reading the pool in place (``paged_attention.PagedStep`` or
+        ``attention.DirectStep``), None where ``update`` gathers."""
         self.position_ids: Optional[torch.Tensor] = None
         self.last_index: Optional[torch.Tensor] = None
         self.counts: List[int] = []  # the step's computed tokens per row (a cached prefix is not)
@@ -103,16 +108,17 @@ class PagedKV:
             pool_v = self.values[layer_idx]
         pool_k.index_copy_(1, self._write, k.to(pool_k.dtype))
         pool_v.index_copy_(1, self._write, v.to(pool_v.dtype))
+        if self.step is not None:  # the backend reads the pool in place
+            return pool_k[None], pool_v[None]
         if self._shape is None:
             return pool_k.index_select(1, self._read)[None], pool_v.index_select(1, self._read)[None]
         b, width = self._shape
-        if self.direct and pool_k.dtype == torch.float32:
-            step = DirectStep(pool_k[None], pool_v[None], self._read.view(b, width), self._lengths,
-                              self._window(layer_idx))
-            _PENDING[0] = step
-            return step.key, step.value
         return tuple(p.index_select(1, self._read).view(p.shape[0], b, width, p.shape[2]).transpose(0, 1)
                      for p in (pool_k, pool_v))
+
+    def forward_kwargs(self) -> dict:
+        """The keywords the backbone's forward passes down to its attention function this step."""
+        return {"paged_step": self.step} if self.step is not None else {}
 
     def _window(self, layer_idx: int) -> int:
         """The sliding window of this layer's mask (as ``prepare`` builds them), 0 for full attention."""
@@ -133,7 +139,9 @@ class PagedKV:
         return new
 
     def _pool(self, shape, dtype, device) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        """Zeros, not empty memory: a backend reading the pool in place weighs a block's unwritten slots by 0,
+        and 0 x NaN (whatever the memory held) would be NaN."""
+        t = torch.zeros(shape, dtype=dtype, device=device)
         if self.pow2_width:  # written in place by a CUDA graph: a static input, or inductor skips the graph
             torch._dynamo.mark_static_address(t)
         return t
@@ -162,7 +170,6 @@ class PagedKV:
         Chunked prefill: a sequence part-way through its prompt is in ``joins`` too (its newly full blocks
         are registered) but attaches nothing; a row may then compute no token at all (its chunk was cached)."""
         joins, write, counts = joins or {}, [], []
-        _PENDING[0] = None  # a step that failed between an update and its attention left it
         new = {sid for sid, _ in new_tokens if sid in joins and sid not in self.tables.tables}  # they attach
         bs = self.tables.block_size
         need = sum(self.tables.blocks_needed(sid, max(0, n - bs * len(self.tables.cached_prefix(*joins[sid])))
@@ -181,9 +188,10 @@ class PagedKV:
             counts.append(n)
         new_tokens, self.counts = list(zip([sid for sid, _ in new_tokens], counts)), counts
         self.batched = all(n == 1 for _, n in new_tokens)
-        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        self._write = as_t(write)
         lengths = [self.tables.lengths[sid] for sid, _ in new_tokens]
+        self.step = None
+        if self.backend == "paged":
+            return self._prepare_paged(new_tokens, lengths, write, device, dtype)
         if self.batched:
             width = max(lengths)
             if self.pow2_width:
@@ -192,12 +200,15 @@ class PagedKV:
             for sid, _ in new_tokens:
                 own = self.tables.slots(sid)
                 read += own + [own[0]] * (width - len(own))  # padding reads a real slot, masked below
-            self._read, self._shape = as_t(read), (len(new_tokens), width)
-            self._lengths = as_t(lengths)
-            qp = as_t(lengths)[:, None] - 1                  # [B, 1]
+            self._write, self._read, self._lengths = ship([_long(write), _long(read), _long(lengths)], device)
+            self._shape = (len(new_tokens), width)
+            qp = self._lengths[:, None] - 1                  # [B, 1]
             kp = torch.arange(width, device=device)[None]    # [1, L]
             allowed = kp <= qp                               # its own keys only: beyond its length is padding
             self.position_ids, self.last_index = qp, None
+            if self.backend == "cpu_paged" and dtype == torch.float32:
+                from .attention import DirectStep
+                self.step = DirectStep(self._read.view(len(new_tokens), width), self._lengths, self._window)
         else:
             read, q_seq, q_pos, k_seq, k_pos, last = [], [], [], [], [], []
             for i, ((sid, n), total) in enumerate(zip(new_tokens, lengths)):
@@ -207,9 +218,11 @@ class PagedKV:
                 k_seq += [i] * total
                 k_pos += range(total)
                 last.append(len(q_pos) - 1)
-            self._read, self._shape = as_t(read), None
-            self.position_ids, self.last_index = as_t(q_pos)[None], as_t(last)
-            qs, ks, kp = as_t(q_seq), as_t(k_seq), as_t(k_pos)[None]
+            self._write, self._read, pos, self.last_index, qs, ks, kp = ship(
+                [_long(x) for x in (write, read, q_pos, last, q_seq, k_seq, k_pos)], device)
+            self._shape = None
+            self.position_ids = pos[None]
+            kp = kp[None]
             qp = self.position_ids[0][:, None]
             allowed = (qs[:, None] == ks[None, :]) & (kp <= qp)
         masks = {}
@@ -218,6 +231,28 @@ class PagedKV:
             m = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, torch.finfo(dtype).min)
             masks[kind] = m[:, None, None] if self.batched else m[None, None]
         return masks if layer_types(self.config) else masks[self.kinds[0]]
+
+    def _prepare_paged(self, new_tokens, lengths, write, device, dtype):
+        """``prepare`` for the ``paged`` backend: no gather indices and no dense mask, the step's block masks
+        instead (``paged_attention.build``); the mask handed to the model is a placeholder it passes on."""
+        from .paged_attention import build
+        counts = [n for _, n in new_tokens]
+        q_pos, last = [], []
+        for n, total in zip(counts, lengths):
+            q_pos += range(total - n, total)
+            last.append(len(q_pos) - 1)
+        self._write, pos, last_index = ship([_long(write), _long(q_pos), _long(last)], device)
+        self._read, self._shape, self._lengths = None, None, None
+        if self.batched:
+            self.position_ids, self.last_index = pos[:, None], None
+        else:
+            self.position_ids, self.last_index = pos[None], last_index
+        windows = sorted({int(self.window) if kind == SLIDING and self.window else 0 for kind in self.kinds})
+        self.step = build(counts, lengths, [self.tables.tables[sid] for sid, _ in new_tokens],
+                          self.tables.num_blocks, self.tables.block_size, windows, self.batched, device)
+        self.step.window_of = self._window
+        placeholder = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device)
+        return {kind: placeholder for kind in self.kinds} if layer_types(self.config) else placeholder
 
     # ---- sequences and accounting --------------------------------------------------------
     def free(self, sids) -> None:
@@ -291,64 +326,8 @@ def _slot_index(blocks: List[int], block_size: int, device) -> torch.Tensor:
     return (b[:, None] * block_size + torch.arange(block_size, device=device)[None]).reshape(-1)
 
 
-# ---- decode attention from the pool in place ---------------------------------------------
-DIRECT_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text",
-                             "granite", "olmo2", "phi3"})
-"""Model types whose attention layers hand the cache's keys and values to the attention function as they
-came, with nothing but the query, the scaling and a sliding window to apply: those the direct path serves
-(each checked token for token against HF generate: ``tests/engine/test_families.py``, ``test_paged_kv.py``)."""
+def _long(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
 
 
-class DirectStep(NamedTuple):
-    """What one layer's ``update`` handed out in a direct decode step: the pools as ``[1, kv_heads, S, D]``
-    (the attention function knows them by identity), each row's slots ``[B, W]`` and length, the window."""
-    key: torch.Tensor
-    value: torch.Tensor
-    slots: torch.Tensor
-    lengths: torch.Tensor
-    window: int
-
-
-_PENDING: List[Optional[DirectStep]] = [None]
-"""The step the last ``update`` of a direct decode handed out, until its layer's attention takes it."""
-
-
-def direct_fits(config, device: torch.device, enabled: bool = True) -> bool:
-    """Whether a model's paged decode steps can attend from the pool in place here: a CPU computing on one
-    intra-op thread, SDPA attention, a family of ``DIRECT_FAMILIES``, the kernel built (``update`` also wants
-    float32 pools; a compiled step calls the kernel as the opaque operator ``computron::paged_decode``)."""
-    if not enabled or torch.device(device).type != "cpu" or torch.get_num_threads() != 1:
-        return False
-    if getattr(config, "model_type", None) not in DIRECT_FAMILIES \
-            or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    from ..kernels.cpu import attention as cpu_attention
-    if not cpu_attention.available():
-        return False
-    _install()
-    return True
-
-
-def _install() -> None:
-    """Put ``attention`` in front of transformers' SDPA function, once per process."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(current, "computron_direct", False):
-        return
-
-    from ..kernels.cpu.attention import decode, paged_decode
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        step, _PENDING[0] = _PENDING[0], None
-        if step is None or key is not step.key:
-            return current(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        run = paged_decode if torch.compiler.is_compiling() else decode
-        return run(query, step.key[0], step.value[0], step.slots, step.lengths, float(scale), step.window), None
-
-    attention.computron_direct = True
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
-
-
-__all__ = ["PagedKV", "DirectStep", "DIRECT_FAMILIES", "direct_fits", "initial_blocks", "mask_kinds",
-           "token_kv_bytes"]
+__all__ = ["PagedKV", "initial_blocks", "mask_kinds", "token_kv_bytes"]

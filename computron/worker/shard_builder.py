@@ -89,7 +89,8 @@ class ShardBuilder:
                            kv_block_size=self.config.kv_block_size, kv_reserve=self.config.kv_reserve,
                            pack_linears=packs_linears(self.config, mc), prefix_cache=self.config.prefix_cache,
                            compile_decode=self.config.compile_decode,
-                           cpu_attention=self.config.cpu_decode_attention)
+                           cpu_attention=self.config.cpu_decode_attention,
+                           attention_backend=self.config.attention_backend)
         runner, source = self._from_checkpoint(mid, mc, ctx)
         if runner is None and mc.quantization is not None:
             raise ValueError(f"model {mid!r}: quantization={mc.quantization!r} needs a safetensors checkpoint "

@@ -3,7 +3,7 @@ scattered slots), and a machine without a compiler falls back with one warning."
 import pytest
 import torch
 
-from computron.models import kv_pool
+from computron.models import attention
 from computron.kernels.cpu import attention as cpu_attention
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
@@ -46,7 +46,7 @@ def test_no_compiler_means_unavailable_one_warning_and_no_direct_path(monkeypatc
     try:
         with caplog.at_level("WARNING", logger=cpu_attention.__name__):
             assert not cpu_attention.available() and not cpu_attention.available()
-            assert not kv_pool.direct_fits(config, torch.device("cpu"))
+            assert not attention.direct_fits(config, torch.device("cpu"))
         warned = [r for r in caplog.records if "paged decode attention kernel is not used" in r.getMessage()]
         assert len(warned) == 1
     finally:
@@ -59,14 +59,14 @@ def test_direct_fits_names_its_conditions(monkeypatch):
     llama = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64)
     llama._attn_implementation = "sdpa"
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert kv_pool.direct_fits(llama, torch.device("cpu"))
-    assert not kv_pool.direct_fits(llama, torch.device("cpu"), enabled=False)
-    assert not kv_pool.direct_fits(llama, torch.device("cuda"))
+    assert attention.direct_fits(llama, torch.device("cpu"))
+    assert not attention.direct_fits(llama, torch.device("cpu"), enabled=False)
+    assert not attention.direct_fits(llama, torch.device("cuda"))
     neox = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64)
     neox._attn_implementation = "sdpa"
-    assert not kv_pool.direct_fits(neox, torch.device("cpu"))  # not in DIRECT_FAMILIES
+    assert not attention.direct_fits(neox, torch.device("cpu"))  # not in DIRECT_FAMILIES
     llama._attn_implementation = "eager"
-    assert not kv_pool.direct_fits(llama, torch.device("cpu"))
+    assert not attention.direct_fits(llama, torch.device("cpu"))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     llama._attn_implementation = "sdpa"
-    assert not kv_pool.direct_fits(llama, torch.device("cpu"))  # the kernel is single-threaded
+    assert not attention.direct_fits(llama, torch.device("cpu"))  # the kernel is single-threaded

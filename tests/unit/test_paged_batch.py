@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from family_configs import FAMILIES  # noqa: E402
 
-from computron.models import kv_pool  # noqa: E402
+from computron.models import attention  # noqa: E402
 from computron.kernels.cpu import attention as cpu_attention  # noqa: E402
 from computron.models.paged_running import PagedBatch  # noqa: E402
 from computron.testing.zoo import reference_generate  # noqa: E402
@@ -34,15 +34,16 @@ PARK_AT = 4  # the running sequences' KV blocks copied out (as from a device) af
 def _forward(model, ids, mask, cache) -> torch.Tensor:
     kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
     hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=cache.position_ids, use_cache=True,
-                         **{kw: cache}).last_hidden_state
+                              **{kw: cache}, **cache.forward_kwargs()).last_hidden_state
     last = hidden[:, -1] if cache.last_index is None else hidden[0, cache.last_index]  # decode batch, ragged row
     return model.get_output_embeddings()(last).float()
 
 
-def _serve(model, block_size: int, stop_early=None, pow2: bool = False, direct: bool = False) -> dict:
+def _serve(model, block_size: int, stop_early=None, pow2: bool = False, backend: str = "gathered") -> dict:
     rb, produced, sid, parked = PagedBatch(model.config, block_size=block_size, initial_blocks=2), {}, 0, []
     rb.cache.pow2_width = pow2
-    rb.cache.direct = direct
+    attention.install(model, backend)
+    rb.cache.backend = backend
     widths = set()
     with torch.inference_mode():
         for step in range(max(ADMISSIONS) + MAX_TOKENS + 1):
@@ -57,7 +58,7 @@ def _serve(model, block_size: int, stop_early=None, pow2: bool = False, direct: 
             rb.unpark(torch.device("cpu"))
             ids, mask, _ = rb.step_inputs(prompts, [s.sid for s in specs], torch.device("cpu"), torch.float32)
             tokens = _forward(model, ids, mask, rb.cache).argmax(-1)
-            if rb.cache.batched:
+            if rb.cache.batched and rb.cache._shape is not None:  # a gathered decode batch's width
                 widths.add(rb.cache._shape[1])
             rb.joined(specs, {}, mask, tokens)
             for s, t in zip(rb.sids, tokens.tolist()):
@@ -113,16 +114,15 @@ def test_power_of_two_decode_widths_equal_generate(family, root):
 
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) & kv_pool.DIRECT_FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) & attention.DIRECT_FAMILIES))
 def test_decode_attention_from_the_pool_in_place_equals_generate(family, root, monkeypatch):
-    """``PagedKV.direct`` (``cpu_attention``): every decode step's attention read from the pool by the
-    kernel, none by the model's SDPA over gathered keys, the tokens those of ``generate``."""
+    """The ``cpu_paged`` backend (``cpu_attention``): every decode step's attention read from the pool by
+    the kernel, none by the model's SDPA over gathered keys, the tokens those of ``generate``."""
     model = _model(family, root)
     model.config._attn_implementation = "sdpa"
-    kv_pool._install()
     calls, run = [], cpu_attention._run
     monkeypatch.setattr(cpu_attention, "_run", lambda *a: calls.append(a[1].shape) or run(*a))
-    produced, _ = _serve(model, block_size=4, stop_early=1, direct=True)
+    produced, _ = _serve(model, block_size=4, stop_early=1, backend="cpu_paged")
     assert len(calls) >= model.config.num_hidden_layers * MAX_TOKENS  # each layer of every decode step
     for sid, (prompt, tokens) in produced.items():
         want = reference_generate(model, prompt, MAX_TOKENS).tolist()
@@ -243,6 +243,6 @@ def test_prefix_cache_setting_is_validated_and_reaches_the_pool(on):
     with pytest.raises(ValueError, match="prefix_cache='yes'"):
         EngineConfig(prefix_cache="yes")
     ctx = SimpleNamespace(kv_cache="paged", kv_block_size=4, tp=1, kv_reserve=0.1, prefix_cache=on,
-                          device=torch.device("cpu"), cpu_attention=False)
+                          device=torch.device("cpu"), cpu_attention=False, attention_backend="auto")
     config = SimpleNamespace(num_key_value_heads=2, num_attention_heads=2, hidden_size=8, head_dim=None)
     assert _running_batch(config, ctx, torch.nn.Linear(8, 8), 1).prefix_cache is on
