@@ -1,5 +1,6 @@
-"""transformers' own scores of token sequences (the converted checkpoint, float32), to check the numbers a
-client computed from the server's logprobs."""
+"""transformers' own scores of token sequences (the GGUF file as transformers reads it, dequantized to float32,
+through the metadata directory ``storage.gguf.convert`` wrote), to check the numbers a client computed from the
+server's logprobs."""
 from typing import List
 
 import torch
@@ -7,9 +8,11 @@ import torch
 
 class ReferenceScorer:
     def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from computron.loading import load_causal_lm
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = load_causal_lm(path, dtype="float32").eval()
 
     def encode(self, text: str) -> List[int]:
         return self.tok.encode(text, add_special_tokens=False)
