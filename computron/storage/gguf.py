@@ -17,8 +17,9 @@ write that was killed leaves nothing half-made (its temporary directory is remov
 (``fcntl.flock``) makes a second process writing the same file's directory wait for the first and use its result.
 
 Every problem is a ``GGUFError``, one line naming the file, raised before anything is written: not a GGUF
-file, a truncated one, an architecture transformers cannot read (or whose tensors it reshapes), a block type
-Computron does not serve, a cache directory that cannot be written. torch, transformers and gguf are imported
+file, a truncated one, an architecture transformers cannot read, a block type Computron does not serve, a cache
+directory that cannot be written. A file whose architecture's tensors transformers reshapes (Gemma 2/3, GPT-2,
+Bloom, ...: ``gguf_native.check_architecture``) is converted once into a float checkpoint instead, as before. torch, transformers and gguf are imported
 only when a file is inspected or its metadata written.
 """
 from __future__ import annotations
@@ -114,6 +115,9 @@ class GGUFInfo:
     types: Tuple[str, ...]
     """The tensor types it holds (``Q4_1``, ``F32``, ...)."""
     size: int
+    float_why: str = ""
+    """Why its blocks cannot be served as they are (its architecture's tensors need transformers' reshaping):
+    then it is converted to a float checkpoint once instead; empty when they can."""
 
 
 def inspect(path) -> GGUFInfo:
@@ -139,8 +143,12 @@ def inspect(path) -> GGUFInfo:
         raise GGUFError(f"{full}: no general.architecture field: not a model GGUF file")
     _check_architecture(full, arch)
     check_types(full, found)
-    check_architecture(full, arch)
-    return GGUFInfo(full, arch, len(found), tuple(sorted({t.type_name for t in found.values()})), size)
+    try:
+        check_architecture(full, arch)
+        float_why = ""
+    except GGUFError as exc:
+        float_why = str(exc)
+    return GGUFInfo(full, arch, len(found), tuple(sorted({t.type_name for t in found.values()})), size, float_why)
 
 
 def _check_architecture(full: str, arch: str) -> None:
@@ -184,7 +192,12 @@ def convert(path, dtype: Optional[str] = None) -> str:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=root)
         try:
             os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the checkpoint from other users of the cache
-            _convert(info, dtype, tmp, target)
+            if info.float_why:
+                log.warning("%s; converting it to a %s checkpoint instead, once (its blocks are not kept)",
+                            info.float_why, dtype)
+                _convert_to_float(info, dtype, tmp, target)
+            else:
+                _convert(info, dtype, tmp, target)
             os.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -266,6 +279,37 @@ def _convert(info: GGUFInfo, dtype: str, out: str, target: str) -> None:
     nbytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     log.info("converted the metadata of %s in %.1f s (%.1f MB in %s); its weights stay in the file",
              name, time.perf_counter() - t0, nbytes / 1e6, target)
+
+
+
+def _convert_to_float(info: GGUFInfo, dtype: str, out: str, target: str) -> None:
+    """Read ``info.path`` with transformers (every tensor dequantized to ``dtype``, reshaped as its architecture
+    needs) and save model, tokenizer and generation config into ``out`` as a safetensors checkpoint: served
+    from then on like any other (no ``gguf_native.SOURCE_FILE`` in it)."""
+    import torch
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    t0 = time.perf_counter()
+    folder, name = os.path.split(info.path)
+    try:
+        with _quiet(hf_gguf):
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype),
+                                                         local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            model.hf_quantizer = None  # plain tensors now: saved and loaded as such
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            # save_pretrained writes only on torch.distributed's rank 0, and a running engine's master is in a group
+            model.should_save_on_this_rank = lambda *args, **kwargs: True
+            model.save_pretrained(out, safe_serialization=True)
+            tokenizer.save_pretrained(out)
+    except Exception as exc:  # noqa: BLE001 - one line naming the file, whatever transformers raised
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise GGUFError(f"{info.path}: transformers cannot convert it: {type(exc).__name__}: {first}") from None
+    if not any(f.endswith(".safetensors") for f in os.listdir(out)):
+        raise GGUFError(f"{info.path}: transformers wrote no safetensors weights when saving its conversion")
+    del model
+    log.info("converted %s in %.1f s to a %s checkpoint in %s", name, time.perf_counter() - t0, dtype, target)
 
 
 __all__ = ["SUFFIX", "CACHE_ENV", "DEFAULT_DTYPE", "GGUFInfo", "is_gguf", "cache_root", "cache_dir", "check_header",

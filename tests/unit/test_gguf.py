@@ -230,6 +230,31 @@ def test_tiny_llama_converted_as_transformers_reads_it(tmp_path, cache):
     assert loading.checkpoint_dtype(bf16) == "bfloat16" and loading.checkpoint_dtype(out) == "float32"
 
 
+def test_an_architecture_whose_tensors_transformers_reshapes_is_converted_to_float(tmp_path, cache, monkeypatch,
+                                                                                  caplog):
+    """A file whose blocks cannot be served as they are (``gguf_native.check_architecture`` refuses its
+    architecture: Gemma 2/3, GPT-2, Bloom... need transformers' reshaping; simulated here on a tiny Llama) is
+    still served: converted once into a float checkpoint, as transformers reads it, with a WARNING saying why."""
+    import torch
+    from helpers import write_tiny_llama_gguf
+    from transformers import AutoModelForCausalLM
+
+    from computron.storage import gguf_native
+
+    def refuse(path, arch):
+        raise GGUFError(f"{path}: GGUF architecture {arch!r}: its tensors need transformers' reshaping")
+    monkeypatch.setattr(gguf_native, "check_architecture", refuse)
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with caplog.at_level(logging.WARNING, logger="computron.gguf"):
+        out = gguf.convert(path)
+    assert "converting it to a float32 checkpoint instead" in caplog.text
+    assert gguf_native.source_of(out) is None and [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf").eval()
+    ids = torch.tensor([[1, 5, 9, 30, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(loading.load_causal_lm(out)(ids).logits, direct(ids).logits)
+
+
 def test_conversion_inside_a_process_group_of_rank_other_than_0(tmp_path, cache, monkeypatch):
     """The master of a running engine is rank tp*pp of its process group (a model added while serving has its
     metadata written there): the metadata directory is written all the same."""
