@@ -10,6 +10,7 @@ from functools import partial
 
 from ..comm import messages as msg
 from ..models.base import GenerativeRunner
+from .shard_builder import held_format
 
 log = logging.getLogger("computron.worker")
 
@@ -43,7 +44,7 @@ class ModelChanges:
             self.channel.reply(msg.ModelAdded(
                 seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
                 host_bytes=built.store.nbytes, host_resident=self.host_resident(),
-                weight_format=self.weight_format(mid),
+                weight_format=held_format(runner, built.store),
                 device_need=max(getattr(built.store, "device_need", 0), built.store.nbytes),
                 batching=runner.batching_defaults() if isinstance(runner, GenerativeRunner) else None))
         self._builds.submit(build)
