@@ -80,8 +80,7 @@ class CausalLMRunner(GenerativeRunner):
         from .decoder_split import cut_decoder
         self.ctx = ctx
         family = decoder_family(model)
-        self.family = family.name
-        self.family_entry = family
+        self.family, self.family_entry = family.name, family
         self.config = model.config
         cut = cut_decoder(model, family, ctx)
         base = self.base = cut.base
@@ -363,7 +362,8 @@ class CausalLMRunner(GenerativeRunner):
         generators, samplers, lps, plps, host = {}, {}, (), {}, None
         if ctx.is_output_rank and not failed:
             try:  # on the device: only the picked ids and asked-for logprobs come to the host (``sampling``)
-                y = y if index == list(range(len(y))) else y.index_select(0, torch.tensor(index, device=y.device))
+                if index != list(range(len(y))):  # an empty index too (a step of chunks only)
+                    y = y.index_select(0, torch.tensor(index, dtype=torch.long, device=y.device))
                 generators = {a.sid: seq_generator(a, y.device) for a in admit}
                 gens = {**rb.generators, **generators}
                 samplers = {a.sid: SeqSampler(a, gens.get(a.sid)) for a in admit}

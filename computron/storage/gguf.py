@@ -16,11 +16,11 @@ directory is written into a temporary one next to its target and renamed into pl
 write that was killed leaves nothing half-made (its temporary directory is removed by the next one); a lock file
 (``fcntl.flock``) makes a second process writing the same file's directory wait for the first and use its result.
 
-Every problem is a ``GGUFError``, one line naming the file, raised before anything is written: not a GGUF
-file, a truncated one, an architecture transformers cannot read, a block type Computron does not serve, a cache
-directory that cannot be written. A file whose architecture's tensors transformers reshapes (Gemma 2/3, GPT-2,
-Bloom, ...: ``gguf_native.check_architecture``) is converted once into a float checkpoint instead, as before. torch, transformers and gguf are imported
-only when a file is inspected or its metadata written.
+Every problem is a ``GGUFError``, one line naming the file, raised before anything is written: not a GGUF file, a
+truncated one, an architecture transformers cannot read, a block type Computron does not serve, a cache directory
+that cannot be written. A file whose architecture's tensors transformers reshapes (Gemma 2/3, GPT-2, Bloom, ...:
+``gguf_native.check_architecture``) is converted once into a float checkpoint instead, as before. torch,
+transformers and gguf are imported only when a file is inspected or its metadata written.
 """
 from __future__ import annotations
 
