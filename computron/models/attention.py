@@ -33,7 +33,7 @@ SEAM_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwe
 """Model types whose attention layers hand the cache's keys and values and the forward's keywords to the
 attention function as they came, with nothing but the query, the scaling, a sliding window and a soft cap to
 apply: those ``paged`` and ``cpu_paged`` serve (each checked token for token against HF generate:
-``tests/unit/test_paged_batch.py``, ``tests/engine/test_paged_attention.py``)."""
+``tests/unit/test_paged_batch.py``, ``tests/engine/test_paged_attention_engine.py``)."""
 DIRECT_FAMILIES = SEAM_FAMILIES
 
 NAMES = {"paged": "computron_paged", "cpu_paged": "computron_cpu_paged"}

@@ -23,12 +23,16 @@ def ckpts(tmp_path_factory):
     return {name: FAMILIES[name](root) for name in SERVED}
 
 
-@pytest.mark.xfail(reason="a CPU worker's first paged step fails in inductor's FlexAttention C++ template "
-                          "(CppCompileError 'cur_kvSplitSize7 was not declared', torch 2.13) although the same "
-                          "model served in process at one thread compiles (tests/unit/test_paged_attention.py): "
-                          "to be found before 'paged' serves from a CPU worker", raises=Exception, strict=False)
+WORKER_COMPILE_BUG = pytest.mark.xfail(
+    reason="in a CPU worker at TP=1 (one stage, or PP=2) the first paged step fails in inductor's FlexAttention "
+           "C++ template (CppCompileError 'cur_kvSplitSize7 was not declared', torch 2.13), though the same model "
+           "compiles in process (tests/unit/test_paged_attention.py) and in TP=2 workers: to be found before "
+           "'paged' is a CPU default", raises=Exception, strict=True)
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=() if LAYOUTS[k][0] > 1 else WORKER_COMPILE_BUG)
+                                    for k in LAYOUTS])
 def test_paged_backend_matches_hf(layout, ckpts):
     tp, pp = LAYOUTS[layout]
     config = EngineConfig(max_loaded=1, max_batch_size=8, quantum_ms=1.0, kv_swap=KV_SWAP[layout],
