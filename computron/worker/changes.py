@@ -41,12 +41,21 @@ class ModelChanges:
                 self._settle_host(mid)
             self._log_built(mid, built, "while serving")
             runner = built.runner
-            self.channel.reply(msg.ModelAdded(
-                seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
-                host_bytes=built.store.nbytes, host_resident=self.host_resident(),
-                weight_format=held_format(runner, built.store),
-                device_need=max(getattr(built.store, "device_need", 0), built.store.nbytes),
-                batching=runner.batching_defaults() if isinstance(runner, GenerativeRunner) else None))
+            try:  # a reply the master waits for, whatever fails in making it
+                reply = msg.ModelAdded(
+                    seq=cmd.seq, rank=self.rank, model_id=mid, start=t0, end=time.perf_counter(),
+                    host_bytes=built.store.nbytes, host_resident=self.host_resident(),
+                    weight_format=held_format(runner, built.store),
+                    device_need=max(getattr(built.store, "device_need", 0), built.store.nbytes),
+                    batching=runner.batching_defaults() if isinstance(runner, GenerativeRunner) else None)
+            except Exception as exc:  # noqa: BLE001 - reported; the model is not served here after all
+                log.warning("rank %d: reporting %s failed: %s\n%s", self.rank, mid, exc, traceback.format_exc())
+                with self._registry_lock:
+                    self.runners = {m: r for m, r in self.runners.items() if m != mid}
+                    self.stores = {m: st for m, st in self.stores.items() if m != mid}
+                    self.model_configs = {m: c for m, c in self.model_configs.items() if m != mid}
+                reply = self._failure(cmd.seq, mid, exc)
+            self.channel.reply(reply)
         self._builds.submit(build)
 
     def _on_remove_model(self, cmd: msg.RemoveModel) -> None:
